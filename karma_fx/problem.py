@@ -1,0 +1,118 @@
+"""Plain-data description of one training step: the contract between the graph passes and the planner.
+
+Everything downstream of capture — cost model, strategies, solver, simulator — sees only these frozen
+dataclasses (names, ints, floats), never ``torch.fx`` nodes. That keeps the planner testable on hand-built
+problems and lets a plan be replayed without the model.
+
+Memory is accounted per *storage*: views alias their base, so a storage is named after the first graph node
+that holds it, and every node that reads any alias of it counts as a user of that storage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Phase = Literal["fwd", "bwd"]
+StorageKind = Literal["param", "buffer", "input", "tangent", "activation", "gradient", "temp"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One executed graph node that computes something (pure view / getitem nodes are folded away)."""
+
+    name: str
+    target: str
+    phase: Phase
+    inputs: tuple[str, ...]
+    """Storages read by this op (directly or through views), deduplicated, in argument order."""
+    outputs: tuple[str, ...]
+    """Storages this op allocates."""
+    flops: int = 0
+    bytes_accessed: int = 0
+    dtype: str = "float32"
+    random: bool = False
+    """Draws random numbers (dropout, randn): never recomputed, its result would differ."""
+    mutates: bool = False
+    """Has a side effect (buffer update, in-place op): never run twice."""
+
+    @property
+    def recomputable(self) -> bool:
+        return not (self.random or self.mutates)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One device allocation: its size, who makes it and who reads it."""
+
+    name: str
+    size_bytes: int
+    kind: StorageKind
+    producer: int | None
+    """Index into ``Problem.ops`` of the op allocating it; ``None`` for graph inputs."""
+    users: tuple[int, ...]
+    """Op indices reading it, ascending."""
+    is_output: bool = False
+    """Returned by the step (a gradient, the loss, an updated buffer): lives until the end."""
+    arrives_at: int = 0
+    """For graph inputs: the op before which it exists on the device (tangents arrive with the backward)."""
+
+    @property
+    def lives_to_end(self) -> bool:
+        """Held outside the step (weights, buffers, user inputs) or returned by it."""
+        return self.is_output or self.kind in ("param", "buffer", "input")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The training step as the planner sees it: ops in execution order and the storages they touch."""
+
+    ops: tuple[Op, ...]
+    storages: tuple[Storage, ...]
+    num_fwd_ops: int
+    """Ops ``[0, num_fwd_ops)`` are the forward pass, the rest the backward."""
+    cut_points: tuple[int, ...] = ()
+    """Forward op indices after which no later op reads any activation made before it, except through that
+    op's outputs: the natural layer boundaries (Chen et al.'s articulation points)."""
+    aliases: tuple[tuple[str, str], ...] = ()
+    """(graph node name, storage name) for every tensor-valued node, views included."""
+    name: str = "model"
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _op_index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        index = {s.name: i for i, s in enumerate(self.storages)}
+        if len(index) != len(self.storages):
+            raise ValueError("storage names must be unique")
+        op_index = {op.name: i for i, op in enumerate(self.ops)}
+        if len(op_index) != len(self.ops):
+            raise ValueError("op names must be unique")
+        self._index.update(index)
+        self._op_index.update(op_index)
+
+    def storage(self, name: str) -> Storage:
+        return self.storages[self._index[name]]
+
+    def has_storage(self, name: str) -> bool:
+        return name in self._index
+
+    def op_index(self, name: str) -> int:
+        return self._op_index[name]
+
+    def is_backward(self, op_index: int) -> bool:
+        return op_index >= self.num_fwd_ops
+
+    def saved_activations(self) -> tuple[Storage, ...]:
+        """Storages made in the forward pass and read in the backward: the candidates to offload or recompute."""
+        return tuple(
+            s
+            for s in self.storages
+            if s.kind == "activation"
+            and s.producer is not None
+            and s.producer < self.num_fwd_ops
+            and s.users
+            and s.users[-1] >= self.num_fwd_ops
+        )
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(s.size_bytes for s in self.storages if s.kind == "param")

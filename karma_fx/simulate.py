@@ -1,0 +1,319 @@
+"""The simulator: the single oracle that judges every plan, ours and the baselines'.
+
+It replays a plan over the problem on three streams — compute, device→host (D2H) and host→device (H2D) — the
+way the runtime issues work:
+
+* compute runs the ops in order; a recompute chain runs just before the op it serves; before an op that
+  needs a prefetched tensor, compute waits for that copy (the wait is a *stall*);
+* an offload is issued on the D2H stream when compute finishes ``offload_after``; a prefetch is issued on the
+  H2D stream when compute reaches ``prefetch_at``; each copy stream is FIFO in issue order;
+* device bytes are counted per storage at every compute step (while the step's outputs are being written):
+  a storage lives from its allocation to its last read, an offloaded one also until its D2H copy has landed,
+  and a prefetched one from the moment its H2D copy is issued.
+
+It shares no arithmetic with any strategy or solver, so it is the like-for-like judge for all of them. It also
+validates the plan (a tensor read while off the device, a recompute input missing, …) and says what is wrong.
+
+Example::
+
+    timeline = simulate(problem, plan, costs)
+    timeline.peak_bytes, timeline.makespan_us
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from karma_fx.costs import Costs
+from karma_fx.errors import InvalidPlanError
+from karma_fx.plan import Decision, Offload, Plan, Recompute, ScheduleRow
+from karma_fx.problem import Problem
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Work on one stream: an op, a recompute, a stall, or a copy of one tensor."""
+
+    label: str
+    start_us: float
+    end_us: float
+    kind: str
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What the step looks like under a plan."""
+
+    compute: tuple[Interval, ...]
+    d2h: tuple[Interval, ...]
+    h2d: tuple[Interval, ...]
+    memory: tuple[tuple[float, int], ...]
+    """(time µs, device bytes) at every compute step."""
+    peak_bytes: int
+    makespan_us: float
+    compute_us: float
+    recompute_us: float
+    stall_us: float
+    host_peak_bytes: int
+    rows: tuple[ScheduleRow, ...] = field(default=())
+
+
+@dataclass
+class _Item:
+    op: int
+    recompute: Recompute | None = None
+    reads: list[int] = field(default_factory=list)  # instance ids
+    writes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Instance:
+    storage: str
+    size: int
+    alloc: int  # item index
+    end: int = -1  # last item index at which it is resident
+    copy_end_us: float = 0.0  # an offload's D2H completion: resident until then too
+
+
+def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) -> Timeline:
+    """Replay ``plan`` over ``problem`` with ``costs``; raises ``InvalidPlanError`` for an invalid plan."""
+    decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
+    ops = problem.ops
+    n_ops = len(ops)
+    if len(costs.op_time_us) != n_ops:
+        raise InvalidPlanError(f"costs describe {len(costs.op_time_us)} ops, the problem has {n_ops}")
+
+    def op_at(name: str, what: str) -> int:
+        try:
+            return problem.op_index(name)
+        except KeyError:
+            raise InvalidPlanError(f"{what}: no op named {name!r} in {problem.name}") from None
+
+    offloads = [d for d in decisions if isinstance(d, Offload)]
+    recomputes = [d for d in decisions if isinstance(d, Recompute)]
+    for d in decisions:
+        for t in (d.tensors if isinstance(d, Recompute) else (d.tensor,)):
+            if not problem.has_storage(t):
+                raise InvalidPlanError(f"plan names tensor {t!r}, which is not a storage of {problem.name}")
+
+    # ---- 1. the compute sequence: recompute chains just before the op they serve --------------------
+    chains_before: dict[int, list[Recompute]] = defaultdict(list)
+    for r in recomputes:
+        chains_before[op_at(r.reload_before, "recompute reload_before")].append(r)
+    items: list[_Item] = []
+    first_item = [0] * n_ops
+    op_item = [0] * n_ops
+    for i in range(n_ops):
+        first_item[i] = len(items)
+        for r in chains_before.get(i, ()):
+            for name in r.ops:
+                j = op_at(name, "recompute op")
+                if not ops[j].recomputable:
+                    raise InvalidPlanError(f"{name} is {'random' if ops[j].random else 'mutating'}: never recomputed")
+                items.append(_Item(op=j, recompute=r))
+        op_item[i] = len(items)
+        items.append(_Item(op=i))
+    n_items = len(items)
+
+    # ---- 2. gaps: where each storage leaves the device and where it comes back ---------------------
+    # gap = (free_after item, reload item, decision); the reload item is where the new instance starts.
+    gaps: dict[str, list[tuple[int, int, Decision]]] = defaultdict(list)
+    prefetch_item: dict[int, list[Offload]] = defaultdict(list)  # item index → prefetches issued there
+    offload_after_op: dict[int, list[Offload]] = defaultdict(list)
+    wait_before_item: dict[int, list[Offload]] = defaultdict(list)
+    for d in offloads:
+        s = problem.storage(d.tensor)
+        i_off, i_free = op_at(d.offload_after, "offload_after"), op_at(d.free_after, "free_after")
+        i_pf, i_rl = op_at(d.prefetch_at, "prefetch_at"), op_at(d.reload_before, "reload_before")
+        if s.producer is not None and i_off < s.producer:
+            raise InvalidPlanError(f"{d.tensor} is offloaded after {d.offload_after}, before it is produced")
+        if not (i_off <= i_free < i_pf <= i_rl):
+            raise InvalidPlanError(f"{d.tensor}: need offload_after ≤ free_after < prefetch_at ≤ reload_before, got "
+                                   f"{d.offload_after}, {d.free_after}, {d.prefetch_at}, {d.reload_before}")
+        gaps[d.tensor].append((op_item[i_free], first_item[i_pf], d))
+        prefetch_item[first_item[i_pf]].append(d)
+        offload_after_op[i_off].append(d)
+        wait_before_item[first_item[i_rl]].append(d)
+
+    free_after_item: dict[int, list[Offload]] = defaultdict(list)
+    for sname, gs in gaps.items():
+        gs.sort(key=lambda g: g[0])
+        for a, b in zip(gs, gs[1:]):
+            if b[0] < a[1]:
+                raise InvalidPlanError(f"{sname} has overlapping off-device gaps")
+        for free_item, _, d in gs:
+            free_after_item[free_item].append(d)  # type: ignore[arg-type]
+
+    # ---- 3. instances (one per stay on the device) and the reads of each ----------------------------
+    instances: list[_Instance] = []
+    reads_of: dict[int, list[int]] = defaultdict(list)
+    current: dict[str, int | None] = {}
+    arrivals: dict[int, list[str]] = defaultdict(list)
+    for st in problem.storages:
+        if st.producer is None and n_ops:
+            arrivals[first_item[min(st.arrives_at, n_ops - 1)]].append(st.name)
+
+    def new_instance(name: str, k: int) -> int:
+        instances.append(_Instance(storage=name, size=problem.storage(name).size_bytes, alloc=k))
+        return len(instances) - 1
+
+    def leave(sname: str, k: int) -> int | None:
+        inst = current.get(sname)
+        if inst is not None:
+            instances[inst].end = k
+            current[sname] = None
+        return inst
+
+    offload_instance: dict[int, int] = {}  # id(offload) → the instance its copy reads
+    recompute_frees: dict[int, list[str]] = defaultdict(list)  # op → tensors dropped after it for a recompute
+    group_of = [0] * n_items
+    for i in range(n_ops):
+        for k in range(first_item[i], op_item[i] + 1):
+            group_of[k] = i
+    made: dict[str, int] = {}
+    for k, item in enumerate(items):
+        for name in arrivals.get(k, ()):
+            current[name] = new_instance(name, k)
+        r = item.recompute
+        if r is not None and (k == 0 or items[k - 1].recompute is not r):
+            made = {}
+            for t in r.tensors:  # dropped after their last read before this chain
+                inst = current.get(t)
+                if inst is not None:
+                    last = max(reads_of[inst], default=instances[inst].alloc)
+                    leave(t, last)
+                    recompute_frees[group_of[last]].append(t)
+        for d in prefetch_item.get(k, ()):
+            if current.get(d.tensor) is not None:
+                raise InvalidPlanError(f"{d.tensor} is prefetched at {d.prefetch_at} while still on the device")
+            current[d.tensor] = new_instance(d.tensor, k)
+        op = ops[item.op]
+        for sname in op.inputs:
+            inst = made.get(sname) if r is not None else None
+            if inst is None:
+                inst = current.get(sname)
+            if inst is None:
+                where = f"recomputing {op.name} before {r.reload_before}" if r is not None else op.name
+                raise InvalidPlanError(f"{sname} is read by {where} while it is not on the device")
+            item.reads.append(inst)
+            reads_of[inst].append(k)
+        for sname in op.outputs:
+            inst = new_instance(sname, k)
+            item.writes.append(inst)
+            if r is None:
+                current[sname] = inst
+                continue
+            made[sname] = inst
+            if sname in r.tensors:
+                if current.get(sname) is not None:
+                    raise InvalidPlanError(f"{sname} is recomputed before {r.reload_before} while still on the device")
+                current[sname] = inst
+        if r is None:
+            for d in free_after_item.get(k, ()):
+                if current.get(d.tensor) is None:
+                    raise InvalidPlanError(f"{d.tensor} is freed after {d.free_after} but is not on the device")
+                offload_instance[id(d)] = leave(d.tensor, k)  # type: ignore[assignment]
+        elif k + 1 == n_items or items[k + 1].recompute is not r:
+            for sname, inst in made.items():  # chain temporaries die with the chain
+                if sname not in r.tensors:
+                    instances[inst].end = max(reads_of[inst], default=instances[inst].alloc)
+    for sname, inst in current.items():
+        if inst is not None:
+            lives = problem.storage(sname).lives_to_end
+            instances[inst].end = n_items - 1 if lives else max(reads_of[inst], default=instances[inst].alloc)
+    for inst_id, inst in enumerate(instances):
+        if inst.end < 0:
+            inst.end = max(reads_of[inst_id], default=inst.alloc)
+    for d in offloads:  # the D2H copy must read an instance that exists when it is issued
+        inst_id = offload_instance.get(id(d))
+        if inst_id is None or instances[inst_id].alloc > op_item[op_at(d.offload_after, "offload_after")]:
+            raise InvalidPlanError(f"{d.tensor} is not on the device when its offload is issued")
+
+    # ---- 4. timing ----------------------------------------------------------------------------------
+    compute: list[Interval] = []
+    d2h: list[Interval] = []
+    h2d: list[Interval] = []
+    h2d_end: dict[int, float] = {}
+    start_us = [0.0] * n_items
+    t = d2h_free = h2d_free = 0.0
+    stall_total = recompute_total = 0.0
+    stall_at_op = [0.0] * n_ops
+    host_events: list[tuple[float, int]] = []
+    for k, item in enumerate(items):
+        for d in prefetch_item.get(k, ()):
+            size = problem.storage(d.tensor).size_bytes
+            begin = max(t, h2d_free)
+            h2d_free = begin + costs.copy_time_us(size, "h2d")
+            h2d_end[id(d)] = h2d_free
+            h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
+            host_events.append((h2d_free, -size))
+        ready = max((h2d_end[id(d)] for d in wait_before_item.get(k, ())), default=t)
+        if ready > t:
+            compute.append(Interval(f"wait {ops[item.op].name}", t, ready, "stall"))
+            stall_total += ready - t
+            stall_at_op[op_at(wait_before_item[k][0].reload_before, "reload_before")] += ready - t
+            t = ready
+        start_us[k] = t
+        duration = costs.op_time_us[item.op]
+        kind = "recompute" if item.recompute is not None else "op"
+        compute.append(Interval(ops[item.op].name, t, t + duration, kind))
+        if item.recompute is not None:
+            recompute_total += duration
+        t += duration
+        if item.recompute is None:
+            for d in offload_after_op.get(item.op, ()):
+                size = problem.storage(d.tensor).size_bytes
+                begin = max(t, d2h_free)
+                d2h_free = begin + costs.copy_time_us(size, "d2h")
+                d2h.append(Interval(d.tensor, begin, d2h_free, "offload"))
+                host_events.append((begin, size))
+                inst = instances[offload_instance[id(d)]]
+                inst.copy_end_us = max(inst.copy_end_us, d2h_free)
+    makespan = max(t, d2h_free, h2d_free)
+
+    # ---- 5. memory at every compute step ------------------------------------------------------------
+    delta = [0] * (n_items + 1)
+    for inst in instances:
+        end = inst.end
+        if inst.copy_end_us > 0:
+            end = max(end, bisect.bisect_left(start_us, inst.copy_end_us) - 1)
+        delta[inst.alloc] += inst.size
+        delta[end + 1] -= inst.size
+    memory: list[tuple[float, int]] = []
+    live = 0
+    for k in range(n_items):
+        live += delta[k]
+        memory.append((start_us[k], live))
+    peak = max((m for _, m in memory), default=0)
+    host_peak = live_host = 0
+    for _, change in sorted(host_events, key=lambda e: (e[0], e[1])):
+        live_host += change
+        host_peak = max(host_peak, live_host)
+
+    rows = _schedule_rows(problem, items, op_item, memory, stall_at_op, offload_after_op, prefetch_item,
+                          first_item, chains_before, free_after_item, recompute_frees)
+    compute_us = sum(costs.op_time_us)
+    return Timeline(compute=tuple(compute), d2h=tuple(d2h), h2d=tuple(h2d), memory=tuple(memory), peak_bytes=peak,
+                    makespan_us=makespan, compute_us=compute_us, recompute_us=recompute_total, stall_us=stall_total,
+                    host_peak_bytes=host_peak, rows=rows)
+
+
+def _schedule_rows(problem: Problem, items: list[_Item], op_item: list[int], memory: list[tuple[float, int]],
+                   stall_at_op: list[float], offload_after_op: dict[int, list[Offload]],
+                   prefetch_item: dict[int, list[Offload]], first_item: list[int],
+                   chains_before: dict[int, list[Recompute]], free_after_item: dict[int, list[Offload]],
+                   recompute_frees: dict[int, list[str]]) -> tuple[ScheduleRow, ...]:
+    """One row per op at which something is issued, freed, recomputed or waited for."""
+    rows: list[ScheduleRow] = []
+    for i, op in enumerate(problem.ops):
+        offload = tuple(d.tensor for d in offload_after_op.get(i, ()))
+        prefetch = tuple(d.tensor for d in prefetch_item.get(first_item[i], ()))
+        recompute = tuple(t for r in chains_before.get(i, ()) for t in r.tensors)
+        free = tuple(d.tensor for d in free_after_item.get(op_item[i], ())) + tuple(recompute_frees.get(i, ()))
+        if offload or prefetch or recompute or free or stall_at_op[i] > 0:
+            device_bytes = max(m for _, m in memory[first_item[i]: op_item[i] + 1])
+            rows.append(ScheduleRow(op=op.name, offload=offload, prefetch=prefetch, recompute=recompute, free=free,
+                                    device_bytes=device_bytes, stall_us=round(stall_at_op[i], 3)))
+    return tuple(rows)

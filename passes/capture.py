@@ -1,0 +1,212 @@
+"""Capture: trace one training step of a module into a joint forward+backward aten graph.
+
+AOTAutograd does the work, as ``torch.compile`` would: the module's parameters, buffers and tensor inputs
+become ``primals``, the gradients of its outputs become ``tangents``, and the joint graph computes the outputs
+and every gradient. We trace on fake tensors, so a 10-billion-parameter model is captured on a laptop: a
+module built on the ``meta`` device is traced as if it lived on the CPU, and a real module's weights are
+never read.
+
+Example::
+
+    step = capture(torch.nn.Linear(4, 2), (torch.randn(8, 4),))
+    print(step.joint.graph)          # primals_1..3, tangents_1, addmm, mm, ...
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from karma_fx.errors import UnsupportedModelError
+
+PrimalKind = Literal["param", "buffer", "input"]
+
+
+@dataclass
+class CapturedStep:
+    """The joint graph and what its placeholders and outputs mean."""
+
+    joint: fx.GraphModule
+    primal_kinds: tuple[PrimalKind, ...]
+    """Kind of each ``primals_*`` placeholder, in order: parameters, then buffers, then tensor inputs."""
+    primal_names: tuple[str, ...]
+    """Parameter / buffer qualified names, ``input[i]`` for inputs."""
+    num_fwd_outputs: int
+    """Leading joint outputs computed by the forward (updated buffers first, then the model's outputs)."""
+    output_names: tuple[str, ...]
+    """What the captured forward outputs are (``loss`` or the flattened output leaves)."""
+
+
+class _StepModule(nn.Module):
+    """Holds fake copies of the model's parameters and buffers and calls the model functionally with them.
+
+    The user's module is never modified; its tensors are swapped in for the call by ``functional_call``.
+    """
+
+    def __init__(self, model: nn.Module, fake_params: dict[str, torch.Tensor], fake_buffers: dict[str, torch.Tensor],
+                 spec: pytree.TreeSpec, leaves: list[Any], tensor_slots: list[int], loss_only: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self._names: dict[str, str] = {}
+        self._all_names: dict[str, str] = {}
+        for name, p in fake_params.items():
+            slot = f"p{len(self._names)}"
+            self.register_parameter(slot, p)
+            self._names[name] = slot
+        for name, b in fake_buffers.items():
+            slot = f"b{len(self._names)}"
+            self.register_buffer(slot, b)
+            self._names[name] = slot
+        self._spec = spec
+        self._leaves = leaves
+        self._tensor_slots = tensor_slots
+        self._loss_only = loss_only
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(self._leaves)
+        for slot, t in zip(self._tensor_slots, tensors):
+            leaves[slot] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        state = {name: getattr(self, slot) for name, slot in self._names.items()}
+        out = torch.func.functional_call(self._model, state, tuple(args), kwargs, tie_weights=True, strict=False)
+        return _flatten_outputs(out, self._loss_only)
+
+
+def _flatten_outputs(out: Any, loss_only: bool) -> tuple[torch.Tensor, ...]:
+    if loss_only:
+        return (_loss_of(out),)
+    return tuple(leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor))
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return out["loss"]
+    return out.loss
+
+
+def _has_loss(out: Any) -> bool:
+    try:
+        loss = _loss_of(out)
+    except (KeyError, AttributeError, TypeError):
+        return False
+    return isinstance(loss, torch.Tensor) and loss.dim() == 0
+
+
+def _named_unique(items: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """First name of each distinct tensor (tied weights appear once, as in ``named_parameters()``)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def _fakeify(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor with ``t``'s metadata; meta tensors are traced as if they were on the CPU."""
+    if t.device.type == "meta":
+        converter = fake_mode.fake_tensor_converter
+        return converter.from_meta_and_device(fake_mode, t, torch.device("cpu"))
+    return fake_mode.from_tensor(t)
+
+
+def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None) -> CapturedStep:
+    """Trace ``model(*args, **kwargs)`` and the backward of its outputs into one joint aten graph.
+
+    If the model's output carries a scalar ``loss`` (HuggingFace models given ``labels``), only the loss is
+    differentiated, as ``loss.backward()`` would; otherwise every tensor output is, with its incoming gradient
+    as a ``tangents_*`` input (what ``torch.compile`` sees).
+    """
+    from functorch.compile import default_partition
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"karma_fx plans nn.Module training steps, got {type(model).__name__}")
+    kwargs = dict(kwargs or {})
+    if not isinstance(args, tuple):
+        args = (args,)
+    devices = {t.device.type for t in list(model.parameters()) + list(model.buffers())}
+    devices |= {leaf.device.type for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
+    if len(devices - {"meta"}) > 1:
+        raise UnsupportedModelError(f"model parameters and inputs are on mixed devices {sorted(devices)}; "
+                                    "move them to one device first")
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    params = _named_unique(list(model.named_parameters(remove_duplicate=False)))
+    buffers = _named_unique(list(model.named_buffers(remove_duplicate=False)))
+    fake_params = {n: nn.Parameter(_fakeify(fake_mode, p.detach()), requires_grad=p.requires_grad)
+                   for n, p in params.items()}
+    fake_buffers = {n: _fakeify(fake_mode, b) for n, b in buffers.items()}
+    leaves, spec = pytree.tree_flatten((list(args), kwargs))
+    tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    fake_inputs = []
+    for i in tensor_slots:
+        t = leaves[i]
+        f = _fakeify(fake_mode, t.detach())
+        if t.requires_grad:
+            f.requires_grad_(True)
+        fake_inputs.append(f)
+        leaves[i] = None
+
+    # Decide whether the step differentiates a `loss` field: trace the forward once on fake tensors.
+    probe = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=False)
+    with fake_mode, _friendly_errors("tracing the forward"):
+        state = {name: getattr(probe, slot) for name, slot in probe._names.items()}
+        call_leaves = list(leaves)
+        for slot, t in zip(tensor_slots, fake_inputs):
+            call_leaves[slot] = t
+        a, k = pytree.tree_unflatten(call_leaves, spec)
+        raw_out = torch.func.functional_call(model, state, tuple(a), k, tie_weights=True, strict=False)
+    loss_only = _has_loss(raw_out)
+    step = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=loss_only)
+    if loss_only:
+        output_names: tuple[str, ...] = ("loss",)
+    else:
+        output_names = tuple(f"output[{i}]" for i in range(len(_flatten_outputs(raw_out, False))))
+
+    captured: dict[str, Any] = {}
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
+        captured["joint"] = joint
+        captured["num_fwd_outputs"] = kw["num_fwd_outputs"]
+        return default_partition(joint, joint_inputs, **kw)
+
+    def identity_compiler(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
+        return gm
+
+    with fake_mode, _friendly_errors("capturing the training step"):
+        aot_module_simplified(step, tuple(fake_inputs), fw_compiler=identity_compiler,
+                              bw_compiler=identity_compiler, partition_fn=partition)
+    if "joint" not in captured:
+        raise UnsupportedModelError("the model's outputs do not require grad: there is no backward to plan "
+                                    "(put the model in training mode with parameters that require grad)")
+    kinds: list[PrimalKind] = ["param"] * len(fake_params) + ["buffer"] * len(fake_buffers) + ["input"] * len(fake_inputs)
+    names = list(fake_params) + list(fake_buffers) + [f"input[{i}]" for i in range(len(fake_inputs))]
+    return CapturedStep(joint=captured["joint"], primal_kinds=tuple(kinds), primal_names=tuple(names),
+                        num_fwd_outputs=captured["num_fwd_outputs"], output_names=output_names)
+
+
+@contextlib.contextmanager
+def _friendly_errors(what: str):
+    """Turn tracing failures (data-dependent ops, dynamic shapes, unsupported ops) into UnsupportedModelError."""
+    try:
+        yield
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one actionable error
+        name = type(exc).__name__
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        hint = ""
+        if "data-dependent" in str(exc).lower() or "DataDependent" in name or "Unbacked" in name:
+            hint = (" The model uses a data-dependent op (e.g. .item(), nonzero, boolean indexing) inside the "
+                    "step; move it out of the captured region or make it shape-static.")
+        elif "DynamicOutputShape" in name:
+            hint = " An op's output shape depends on tensor values; karma_fx needs static shapes."
+        raise UnsupportedModelError(f"karma_fx could not capture the model while {what}: {name}: {first}.{hint}") from exc

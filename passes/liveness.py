@@ -1,0 +1,269 @@
+"""Liveness: turn a captured joint graph into the planner's plain-data ``Problem``.
+
+Three things happen here, all over ``torch.fx`` nodes so nothing downstream has to see one:
+
+* **Order and phase.** The forward is every node the step's forward outputs depend on; it runs first, in traced
+  order, then the rest (the backward), as the partitioned graphs would run.
+* **Storages.** Views alias their base, so bytes are counted per storage (identified on the fake tensors),
+  named after the first node holding it; a node that only views or unpacks (``view``, ``t``, ``getitem``) is
+  folded into the ops that read it.
+* **Costs' raw inputs.** FLOPs and bytes touched per op, for the cost model.
+
+Example::
+
+    problem = build_problem(capture(model, (x,)))
+    problem.saved_activations()     # what the backward needs from the forward
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterator
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from karma_fx.errors import UnsupportedModelError
+from karma_fx.passes.capture import CapturedStep
+from karma_fx.passes.op_stats import is_random, node_bytes_accessed, node_dtype, node_flops
+from karma_fx.problem import Op, Problem, Storage
+
+
+def _forward_nodes(step: CapturedStep) -> set[fx.Node]:
+    """Nodes the forward outputs depend on, plus every ``getitem`` unpacking a forward op's tuple.
+
+    The unpacking of e.g. batch norm's saved mean lands in the forward, as in the partitioned forward graph
+    that returns it as a saved tensor; otherwise the whole tuple (and its big output) would look alive until
+    the backward unpacks it.
+    """
+    graph = step.joint.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    forward: set[fx.Node] = set()
+    stack = [a for a in output.args[0][: step.num_fwd_outputs] if isinstance(a, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in forward or node.op != "call_function":
+            continue
+        forward.add(node)
+        stack.extend(node.all_input_nodes)
+    for node in list(forward):
+        forward.update(u for u in node.users if u.target is operator.getitem)
+    return forward
+
+
+def execution_order(step: CapturedStep) -> list[fx.Node]:
+    """Call nodes in the order the step runs them: the forward, then the backward (each in traced order)."""
+    forward = _forward_nodes(step)
+    calls = [n for n in step.joint.graph.nodes if n.op == "call_function"]
+    return [n for n in calls if n in forward] + [n for n in calls if n not in forward]
+
+
+def forward_node_count(step: CapturedStep, order: list[fx.Node] | None = None) -> int:
+    """How many leading nodes of the execution order belong to the forward."""
+    return len(_forward_nodes(step))
+
+
+def tensors_of(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors inside a node's ``meta['val']`` (a tensor, or a tuple/list of them)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from tensors_of(v)
+
+
+def storage_key(t: torch.Tensor) -> Any:
+    """Identity of a tensor's storage, shared by all of its views (works on fake and real tensors)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _is_mutating(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def build_problem(step: CapturedStep, name: str = "model") -> Problem:
+    """The plain-data ``Problem`` for a captured step (see the module docstring)."""
+    graph = step.joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    order = execution_order(step)
+    num_fwd_nodes = forward_node_count(step, order)
+
+    key_to_name: dict[Any, str] = {}
+    size: dict[str, int] = {}
+    kind: dict[str, str] = {}
+    producer_node: dict[str, fx.Node] = {}
+    node_storages: dict[fx.Node, list[str]] = {}
+    provisional: set[str] = set()
+
+    def register(node: fx.Node, storage_kind: str | None) -> list[str]:
+        names: list[str] = []
+        val = node.meta.get("val")
+        if val is None and node.op == "call_function":
+            if node.target is operator.getitem or _is_mutating(node):
+                return []
+            raise UnsupportedModelError(f"node {node.name} ({node.target}) has no traced value; cannot plan it")
+        many = not isinstance(val, torch.Tensor)
+        for i, t in enumerate(tensors_of(val)):
+            key = storage_key(t)
+            if key not in key_to_name:
+                sname = f"{node.name}#{i}" if many else node.name
+                key_to_name[key] = sname
+                size[sname] = int(t.untyped_storage().nbytes())
+                kind[sname] = storage_kind or "temp"
+                producer_node[sname] = node
+                if many:
+                    provisional.add(sname)
+            names.append(key_to_name[key])
+        return names
+
+    for i, ph in enumerate(placeholders):
+        if ph.name.startswith("tangents"):
+            pkind = "tangent"
+        else:
+            pkind = step.primal_kinds[i] if i < len(step.primal_kinds) else "input"
+        node_storages[ph] = register(ph, pkind)
+    for node in order:
+        node_storages[node] = register(node, None)
+
+    # Name storages of multi-output ops after the getitem that unpacks them, so plans key on node names.
+    renames: dict[str, str] = {}
+    for node in order:
+        if node.target is operator.getitem and len(node_storages[node]) == 1:
+            sname = node_storages[node][0]
+            if sname in provisional and sname not in renames:
+                renames[sname] = node.name
+    if renames:
+        def rn(s: str) -> str:
+            return renames.get(s, s)
+        node_storages = {n: [rn(s) for s in ss] for n, ss in node_storages.items()}
+        size = {rn(s): v for s, v in size.items()}
+        kind = {rn(s): v for s, v in kind.items()}
+        producer_node = {rn(s): v for s, v in producer_node.items()}
+
+    # Ops: call nodes that allocate or mutate; pure views and unpacking fold into their readers.
+    op_nodes: list[fx.Node] = []
+    created_by: dict[str, fx.Node] = {s: n for s, n in producer_node.items() if n.op == "call_function"}
+    for node in order:
+        makes = [s for s in node_storages[node] if created_by.get(s) is node]
+        if node.target is operator.getitem:
+            makes = []
+        if makes or _is_mutating(node):
+            op_nodes.append(node)
+    # A getitem never allocates: attribute storages of multi-output ops to the op itself.
+    op_index = {n: i for i, n in enumerate(op_nodes)}
+    num_fwd_ops = sum(1 for n in order[:num_fwd_nodes] if n in op_index)
+
+    fwd_output_nodes = {a for a in output.args[0][: step.num_fwd_outputs] if isinstance(a, fx.Node)}
+    grad_output_nodes = {a for a in output.args[0][step.num_fwd_outputs:] if isinstance(a, fx.Node)}
+    output_storages: set[str] = set()
+    for n in fwd_output_nodes | grad_output_nodes:
+        output_storages.update(node_storages.get(n, []))
+    grad_storages = {s for n in grad_output_nodes for s in node_storages.get(n, [])}
+
+    users: dict[str, list[int]] = {s: [] for s in size}
+    ops: list[Op] = []
+    for i, node in enumerate(op_nodes):
+        inputs: list[str] = []
+        for arg in node.all_input_nodes:
+            for s in node_storages.get(arg, []):
+                if s not in inputs:
+                    inputs.append(s)
+        outputs = [s for s in node_storages[node] if created_by.get(s) is node]
+        # Multi-output ops: their outputs' storages were registered on the op node itself.
+        for s in inputs:
+            users[s].append(i)
+        phase = "fwd" if i < num_fwd_ops else "bwd"
+        for s in outputs:
+            if kind[s] == "temp":
+                kind[s] = "gradient" if s in grad_storages else ("activation" if phase == "fwd" else "temp")
+        ops.append(Op(
+            name=node.name,
+            target=str(node.target),
+            phase=phase,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            flops=int(node_flops(node)),
+            bytes_accessed=int(node_bytes_accessed(node)),
+            dtype=node_dtype(node),
+            random=bool(is_random(node)),
+            mutates=_is_mutating(node),
+        ))
+
+    storages: list[Storage] = []
+    for sname in size:
+        pnode = producer_node[sname]
+        if pnode.op == "placeholder":
+            producer = None
+        elif pnode in op_index:
+            producer = op_index[pnode]
+        else:
+            continue  # allocated by nothing we execute (cannot happen for well-formed graphs)
+        storages.append(Storage(
+            name=sname,
+            size_bytes=size[sname],
+            kind=kind[sname],  # type: ignore[arg-type]
+            producer=producer,
+            users=tuple(sorted(set(users[sname]))),
+            is_output=sname in output_storages,
+            arrives_at=num_fwd_ops if kind[sname] == "tangent" else 0,
+        ))
+    aliases = tuple((n.name, s) for n, ss in node_storages.items() for s in ss[:1] if len(ss) == 1)
+    return Problem(ops=tuple(ops), storages=tuple(storages), num_fwd_ops=num_fwd_ops,
+                   cut_points=_cut_points(ops, storages, num_fwd_ops), aliases=aliases, name=name)
+
+
+def _cut_points(ops: list[Op], storages: list[Storage], num_fwd_ops: int) -> tuple[int, ...]:
+    """Forward ops after which later forward ops read no activation made before them."""
+    producer = {s.name: s.producer for s in storages if s.producer is not None}
+    earliest_read = [
+        min((producer[s] for s in op.inputs if s in producer), default=i) for i, op in enumerate(ops[:num_fwd_ops])
+    ]
+    cuts: list[int] = []
+    suffix_min = num_fwd_ops
+    for i in range(num_fwd_ops - 1, -1, -1):
+        if suffix_min >= i and ops[i].outputs:
+            cuts.append(i)
+        suffix_min = min(suffix_min, earliest_read[i])
+    return tuple(sorted(cuts))
+
+
+def dependency_graph(problem: Problem) -> nx.DiGraph:
+    """Bipartite DiGraph: storage → op that reads it, op → storage it makes (nodes ``("s", name)``/``("o", i)``)."""
+    g = nx.DiGraph()
+    for i, op in enumerate(problem.ops):
+        g.add_node(("o", i))
+        for s in op.inputs:
+            g.add_edge(("s", s), ("o", i))
+        for s in op.outputs:
+            g.add_edge(("o", i), ("s", s))
+    return g
+
+
+def recompute_ops(problem: Problem, targets: list[str] | tuple[str, ...], resident: set[str],
+                  graph: nx.DiGraph | None = None) -> tuple[int, ...]:
+    """The ops to re-run, in execution order, to rebuild ``targets`` from the ``resident`` storages.
+
+    Raises ``ValueError`` if that needs an op that must not run twice (random, mutating) or a graph input
+    that is not resident.
+    """
+    g = graph if graph is not None else dependency_graph(problem)
+    blocked = {("s", s) for s in resident if ("s", s) in g}
+    view = nx.restricted_view(g, blocked, [])
+    needed: set[int] = set()
+    for t in targets:
+        if t in resident:
+            continue
+        for node in nx.ancestors(view, ("s", t)) | {("s", t)}:
+            if node[0] == "o":
+                needed.add(node[1])
+            elif problem.storage(node[1]).producer is None:
+                raise ValueError(f"rebuilding {t} needs graph input {node[1]}, which is not resident")
+    for i in needed:
+        if not problem.ops[i].recomputable:
+            raise ValueError(f"rebuilding {targets} would re-run {problem.ops[i].name} "
+                             f"({'random' if problem.ops[i].random else 'mutating'})")
+    return tuple(sorted(needed))
