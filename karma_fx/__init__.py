@@ -27,3 +27,8 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+from karma_fx.api import Planned, Prepared, plan, prepare  # noqa: E402
+from karma_fx.device import DeviceSpec, get_device  # noqa: E402
+
+__all__ += ["DeviceSpec", "Planned", "Prepared", "get_device", "plan", "prepare"]

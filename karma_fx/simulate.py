@@ -6,7 +6,8 @@ way the runtime issues work:
 * compute runs the ops in order; a recompute chain runs just before the op it serves; before an op that
   needs a prefetched tensor, compute waits for that copy (the wait is a *stall*);
 * an offload is issued on the D2H stream when compute finishes ``offload_after``; a prefetch is issued on the
-  H2D stream when compute reaches ``prefetch_at``; each copy stream is FIFO in issue order;
+  H2D stream when compute reaches ``prefetch_at`` and starts no earlier than its own offload has landed; each
+  copy stream is FIFO in issue order;
 * device bytes are counted per storage at every compute step (while the step's outputs are being written):
   a storage lives from its allocation to its last read, an offloaded one also until its D2H copy has landed,
   and a prefetched one from the moment its H2D copy is issued.
@@ -236,6 +237,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
     d2h: list[Interval] = []
     h2d: list[Interval] = []
     h2d_end: dict[int, float] = {}
+    d2h_end: dict[int, float] = {}
     start_us = [0.0] * n_items
     t = d2h_free = h2d_free = 0.0
     stall_total = recompute_total = 0.0
@@ -244,7 +246,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
     for k, item in enumerate(items):
         for d in prefetch_item.get(k, ()):
             size = problem.storage(d.tensor).size_bytes
-            begin = max(t, h2d_free)
+            begin = max(t, h2d_free, d2h_end.get(id(d), 0.0))  # the host copy must have landed
             h2d_free = begin + costs.copy_time_us(size, "h2d")
             h2d_end[id(d)] = h2d_free
             h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
@@ -268,6 +270,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
                 begin = max(t, d2h_free)
                 d2h_free = begin + costs.copy_time_us(size, "d2h")
                 d2h.append(Interval(d.tensor, begin, d2h_free, "offload"))
+                d2h_end[id(d)] = d2h_free
                 host_events.append((begin, size))
                 inst = instances[offload_instance[id(d)]]
                 inst.copy_end_us = max(inst.copy_end_us, d2h_free)

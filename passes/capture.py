@@ -40,6 +40,8 @@ class CapturedStep:
     """Leading joint outputs computed by the forward (updated buffers first, then the model's outputs)."""
     output_names: tuple[str, ...]
     """What the captured forward outputs are (``loss`` or the flattened output leaves)."""
+    joint_inputs: Any = None
+    """The (fake) example inputs of the joint graph, as AOTAutograd handed them to the partitioner."""
 
 
 class _StepModule(nn.Module):
@@ -157,7 +159,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
 
     # Decide whether the step differentiates a `loss` field: trace the forward once on fake tensors.
     probe = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=False)
-    with fake_mode, _friendly_errors("tracing the forward"):
+    with fake_mode, _as_torch_compile_sees_it(), _friendly_errors("tracing the forward"):
         state = {name: getattr(probe, slot) for name, slot in probe._names.items()}
         call_leaves = list(leaves)
         for slot, t in zip(tensor_slots, fake_inputs):
@@ -175,13 +177,14 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
         captured["joint"] = joint
+        captured["joint_inputs"] = joint_inputs
         captured["num_fwd_outputs"] = kw["num_fwd_outputs"]
         return default_partition(joint, joint_inputs, **kw)
 
     def identity_compiler(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
         return gm
 
-    with fake_mode, _friendly_errors("capturing the training step"):
+    with fake_mode, _as_torch_compile_sees_it(), _friendly_errors("capturing the training step"):
         aot_module_simplified(step, tuple(fake_inputs), fw_compiler=identity_compiler,
                               bw_compiler=identity_compiler, partition_fn=partition)
     if "joint" not in captured:
@@ -190,7 +193,25 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     kinds: list[PrimalKind] = ["param"] * len(fake_params) + ["buffer"] * len(fake_buffers) + ["input"] * len(fake_inputs)
     names = list(fake_params) + list(fake_buffers) + [f"input[{i}]" for i in range(len(fake_inputs))]
     return CapturedStep(joint=captured["joint"], primal_kinds=tuple(kinds), primal_names=tuple(names),
-                        num_fwd_outputs=captured["num_fwd_outputs"], output_names=output_names)
+                        num_fwd_outputs=captured["num_fwd_outputs"], output_names=output_names,
+                        joint_inputs=captured["joint_inputs"])
+
+
+@contextlib.contextmanager
+def _as_torch_compile_sees_it():
+    """Report ``torch.compiler.is_compiling()`` as True while tracing, as it is under ``torch.compile``.
+
+    Libraries branch on it to skip value-dependent checks that fake tensors cannot answer (HF transformers'
+    packed-sequence detection calls ``.all()`` on a tensor otherwise); a Dynamo trace takes the same branch.
+    """
+    import torch.compiler
+
+    original = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = original  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

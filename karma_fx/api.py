@@ -1,0 +1,136 @@
+"""``karma_fx.plan``: capture → liveness → cost model → strategy → simulate, top to bottom.
+
+``plan_step`` returns every intermediate (the problem, costs, the timeline) for tools that draw or compare;
+``plan`` returns just the ``Plan``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from karma_fx.budget import format_bytes, parse_budget
+from karma_fx.costs import Costs, estimate_costs
+from karma_fx.device import DeviceSpec, get_device
+from karma_fx.errors import InfeasibleBudgetError, KarmaError
+from karma_fx.passes.capture import CapturedStep, capture
+from karma_fx.passes.liveness import build_problem
+from karma_fx.plan import Decision, Plan
+from karma_fx.problem import Problem
+from karma_fx.simulate import Timeline, simulate
+from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
+from karma_fx.strategies.base import offload_for, saved_gaps
+
+
+@dataclass
+class Planned:
+    """A plan with everything it was made from."""
+
+    plan: Plan
+    problem: Problem
+    costs: Costs
+    timeline: Timeline
+    step: CapturedStep | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """A captured, analysed step, ready to be planned at any budget with any strategy."""
+
+    problem: Problem
+    costs: Costs
+    keep: Timeline
+    step: CapturedStep | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    _min_peak: int | None = None
+
+    @property
+    def unplanned_peak_bytes(self) -> int:
+        return self.keep.peak_bytes
+
+    def min_peak_bytes(self) -> int:
+        """The lowest peak any plan here reaches: every saved activation offloaded and fetched just in time."""
+        if self._min_peak is None:
+            decisions = [offload_for(self.problem, g) for g in saved_gaps(self.problem)]
+            self._min_peak = min(simulate(self.problem, decisions, self.costs).peak_bytes, self.keep.peak_bytes)
+        return self._min_peak
+
+    def strategy(self, strategy: str | Strategy | None) -> Strategy:
+        if strategy is None:
+            strategy = DEFAULT_STRATEGY
+        if not isinstance(strategy, str):
+            return strategy
+        saved_set = None
+        if strategy == "torch-budget":
+            if self.step is None:
+                raise KarmaError("torch-budget needs the captured graph, not just a Problem")
+            from karma_fx.passes.torch_partition import saved_storages
+
+            step, problem = self.step, self.problem
+            cache: dict[float, frozenset[str]] = {}
+
+            def saved_set(fraction: float) -> frozenset[str]:
+                if fraction not in cache:
+                    cache[fraction] = saved_storages(step, problem, fraction)
+                return cache[fraction]
+        return make_strategy(strategy, saved_set)
+
+    def plan(self, budget: str | int | float, strategy: str | Strategy | None = None, *,
+             raise_if_infeasible: bool = True) -> Planned:
+        budget_bytes = parse_budget(budget, self.unplanned_peak_bytes)
+        chosen = self.strategy(strategy)
+        t0 = time.perf_counter()
+        raw = chosen(self.problem, self.costs, budget_bytes)
+        solve_s = time.perf_counter() - t0
+        timeline = simulate(self.problem, raw, self.costs)
+        plan = finalize(raw, self.problem, self.costs, timeline, self.keep, device=self.costs.device)
+        if raise_if_infeasible and not plan.fits:
+            floor = self.min_peak_bytes()
+            raise InfeasibleBudgetError(
+                f"strategy {plan.strategy!r} cannot fit {self.problem.name} in {format_bytes(budget_bytes)}: its "
+                f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget any plan reaches is "
+                f"{format_bytes(floor)} ({floor} bytes; offload every saved activation); the unplanned peak is "
+                f"{format_bytes(self.unplanned_peak_bytes)}.",
+                min_budget_bytes=floor, budget_bytes=budget_bytes)
+        return Planned(plan=plan, problem=self.problem, costs=self.costs, timeline=timeline, step=self.step,
+                       seconds={**self.seconds, "strategy": solve_s})
+
+
+def finalize(plan: Plan, problem: Problem, costs: Costs, timeline: Timeline, keep: Timeline, *, device: str) -> Plan:
+    """Attach the simulator's verdict to a strategy's plan."""
+    return plan.replace(model=problem.name, device=device, peak_bytes=timeline.peak_bytes,
+                        step_time_us=round(timeline.makespan_us, 3),
+                        unlimited_step_time_us=round(keep.makespan_us, 3),
+                        unplanned_peak_bytes=keep.peak_bytes, host_peak_bytes=timeline.host_peak_bytes,
+                        schedule=timeline.rows)
+
+
+def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *,
+            device: str | DeviceSpec | None = None, name: str | None = None) -> Prepared:
+    """Capture the training step and build everything a strategy needs."""
+    spec = get_device(device)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    step = capture(model, args if isinstance(args, tuple) else (args,), kwargs)
+    t1 = time.perf_counter()
+    problem = build_problem(step, name=name or type(model).__name__)
+    t2 = time.perf_counter()
+    costs = estimate_costs(problem, spec)
+    keep = simulate(problem, (), costs)
+    t3 = time.perf_counter()
+    seconds.update(capture=t1 - t0, liveness=t2 - t1, costs=t3 - t2)
+    return Prepared(problem=problem, costs=costs, keep=keep, step=step, seconds=seconds)
+
+
+def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,
+         device: str | DeviceSpec | None = None, strategy: str | Strategy | None = None) -> Plan:
+    """Plan one training step of ``model(*args, **kwargs)`` under ``budget`` (bytes or a fraction).
+
+    The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read.
+    Raises ``InfeasibleBudgetError`` (naming the smallest workable budget) when the strategy cannot fit.
+    """
+    parse_budget(budget, 1)  # reject nonsense before the (slow) capture
+    return prepare(model, args, kwargs, device=device).plan(budget, strategy).plan

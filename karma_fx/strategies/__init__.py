@@ -1,0 +1,41 @@
+"""Strategies: one small module each, all returning a ``Plan`` through the same ``Strategy`` protocol.
+
+``STRATEGY_NAMES`` lists what ``karma_fx.plan(strategy=...)`` and the CLI accept; a ``Strategy`` object can
+be passed instead of a name.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from karma_fx.strategies.base import Strategy
+from karma_fx.strategies.checkpoint import Checkpoint
+from karma_fx.strategies.karma import Karma
+from karma_fx.strategies.keep import Keep
+from karma_fx.strategies.offload import OffloadAll
+from karma_fx.strategies.torch_budget import SavedSetFn, TorchBudget
+
+STRATEGY_NAMES = ("keep", "checkpoint", "offload", "torch-budget", "karma")
+DEFAULT_STRATEGY = "karma"
+
+
+def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
+    """The strategy called ``name``; ``torch-budget`` needs PyTorch's saved-set oracle for the captured graph."""
+    factories: dict[str, Callable[[], Strategy]] = {
+        "keep": Keep,
+        "checkpoint": Checkpoint,
+        "offload": OffloadAll,
+        "karma": Karma,
+    }
+    if name == "torch-budget":
+        if saved_set is None:
+            raise ValueError("torch-budget needs the captured graph (plan through karma_fx.plan)")
+        return TorchBudget(saved_set)
+    if name not in factories:
+        from karma_fx.errors import KarmaError
+
+        raise KarmaError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+    return factories[name]()
+
+
+__all__ = ["STRATEGY_NAMES", "DEFAULT_STRATEGY", "Strategy", "make_strategy", "Checkpoint", "Karma", "Keep",
+           "OffloadAll", "TorchBudget"]

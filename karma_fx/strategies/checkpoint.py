@@ -1,0 +1,48 @@
+"""``checkpoint``: Chen et al.'s gradient checkpointing over layer blocks.
+
+The forward is split at cut points into blocks; each block keeps only its input and recomputes everything else
+it saved from that input, once, just before its backward starts. Outputs of random ops (dropout masks) are
+kept: they cannot be recomputed. The block count is the one knob: Chen's √n rule is tried together with a few
+others, and the fastest plan that fits the budget wins (or the lowest peak when none fits).
+"""
+from __future__ import annotations
+
+import math
+
+from karma_fx.costs import Costs
+from karma_fx.plan import Decision, Plan
+from karma_fx.problem import Problem
+from karma_fx.strategies.base import RecomputeBuilder, blocks_from_cuts, saved_gaps, timeline_of
+
+
+def checkpoint_decisions(problem: Problem, blocks: list[tuple[int, int]], builder: RecomputeBuilder) -> list[Decision]:
+    gaps = saved_gaps(problem)
+    decisions: list[Decision] = []
+    for first, last in blocks:
+        boundary = set(problem.ops[last].outputs)
+        dropped = [g for g in gaps
+                   if g.storage.producer is not None and first <= g.storage.producer <= last
+                   and g.storage.name not in boundary and problem.ops[g.storage.producer].recomputable]
+        if dropped:
+            decisions.append(builder.group(dropped, {g.storage.name for g in dropped}))
+    return decisions
+
+
+class Checkpoint:
+    name = "checkpoint"
+
+    def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
+        builder = RecomputeBuilder(problem)
+        n = max(1, len(problem.cut_points))
+        counts = sorted({max(1, round(math.sqrt(n))), 1, 2, 4, 8, 16, 32, 64} & set(range(1, n + 1)))
+        best: tuple[tuple[int, float, int], list[Decision], int] | None = None
+        for count in counts:
+            decisions = checkpoint_decisions(problem, blocks_from_cuts(problem, count), builder)
+            tl = timeline_of(problem, costs, decisions)
+            fits = tl.peak_bytes <= budget_bytes
+            key = (0 if fits else 1, tl.makespan_us if fits else tl.peak_bytes, count)
+            if best is None or key < best[0]:
+                best = (key, decisions, count)
+        assert best is not None
+        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=tuple(best[1]),
+                    notes=(f"{best[2]} recompute blocks",))

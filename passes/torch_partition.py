@@ -1,0 +1,38 @@
+"""Ask PyTorch's own min-cut partitioner what it would save at a given ``activation_memory_budget``.
+
+This is the seam for the ``torch-budget`` baseline: PyTorch decides (knapsack over recompute candidates), we
+translate its saved set into storages and let our simulator judge the result like every other plan.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.fx as fx
+
+from karma_fx.passes.capture import CapturedStep
+from karma_fx.problem import Problem
+
+
+def saved_storages(step: CapturedStep, problem: Problem, memory_budget: float) -> frozenset[str]:
+    """Storages PyTorch's partitioner saves for the backward at ``activation_memory_budget=memory_budget``."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    joint = copy.deepcopy(step.joint)
+    with functorch_config.patch(activation_memory_budget=float(memory_budget)):
+        fw, _ = min_cut_rematerialization_partition(joint, step.joint_inputs, num_fwd_outputs=step.num_fwd_outputs)
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    saved_nodes = [a for a in output.args[0][step.num_fwd_outputs:] if isinstance(a, fx.Node)]
+    alias = dict(problem.aliases)
+    names: set[str] = set()
+    for node in saved_nodes:
+        base = node
+        # A saved view is saved through its storage; names in the forward graph match the joint graph's.
+        storage = alias.get(base.name)
+        if storage is None and base.target is operator.getitem:
+            storage = alias.get(base.args[0].name)
+        if storage is not None:
+            names.add(storage)
+    return frozenset(names)
