@@ -1,0 +1,88 @@
+"""Time of every op and of every host↔device copy, as plain numbers the simulator and solvers read.
+
+The model is a roofline: an op is bound either by arithmetic or by memory traffic, plus a fixed launch cost.
+It is deliberately simple — the planner needs relative costs that are right to within tens of percent (is
+recomputing this layer cheaper than reloading its output?), not a kernel-level performance model — and it is
+deterministic, so a plan made twice is the same plan.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from karma_fx.device import DeviceSpec, get_device
+from karma_fx.problem import Problem
+
+__all__ = ["Costs", "estimate_costs", "op_time_us"]
+
+Direction = Literal["d2h", "h2d"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-op compute times (µs, aligned with ``Problem.ops``) and the copy-engine model of one device."""
+
+    op_time_us: tuple[float, ...]
+    d2h_bytes_per_us: float
+    h2d_bytes_per_us: float
+    copy_latency_us: float
+    device: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op_time_us", tuple(float(t) for t in self.op_time_us))
+        bad = [t for t in self.op_time_us if not (0 <= t < math.inf)]
+        if bad:
+            raise ValueError(f"op times must be finite and non-negative, got {bad[:3]}")
+        for attr in ("d2h_bytes_per_us", "h2d_bytes_per_us"):
+            value = getattr(self, attr)
+            if not value > 0:  # inf is allowed: copies that cost only their latency
+                raise ValueError(f"{attr} must be positive, got {value!r}")
+        if not 0 <= self.copy_latency_us < math.inf:
+            raise ValueError(f"copy_latency_us must be non-negative and finite, got {self.copy_latency_us!r}")
+
+    def copy_time_us(self, size_bytes: int, direction: Direction) -> float:
+        """Time to move ``size_bytes`` one way: latency + size / bandwidth; nothing to move costs nothing."""
+        if size_bytes < 0:
+            raise ValueError(f"size_bytes must be non-negative, got {size_bytes}")
+        if direction == "d2h":
+            bandwidth = self.d2h_bytes_per_us
+        elif direction == "h2d":
+            bandwidth = self.h2d_bytes_per_us
+        else:
+            raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
+        if size_bytes == 0:
+            return 0.0
+        return self.copy_latency_us + size_bytes / bandwidth
+
+    @property
+    def compute_time_us(self) -> float:
+        """Step time with nothing offloaded or recomputed: every op once, back to back."""
+        return math.fsum(self.op_time_us)
+
+
+def op_time_us(flops: int, bytes_accessed: int, dtype: str, device: DeviceSpec) -> float:
+    """Roofline time of one op in µs: launch overhead + max(compute time, memory time).
+
+    An op with neither FLOPs nor bytes (a folded view) is free: it launches no kernel.
+    """
+    if flops < 0 or bytes_accessed < 0:
+        raise ValueError(f"flops and bytes_accessed must be non-negative, got {flops}, {bytes_accessed}")
+    if flops == 0 and bytes_accessed == 0:
+        return 0.0
+    compute_s = flops / (device.flops_for(dtype) * device.efficiency)
+    memory_s = bytes_accessed / device.hbm_bytes_per_s
+    return device.kernel_overhead_us + 1e6 * max(compute_s, memory_s)
+
+
+def estimate_costs(problem: Problem, device: Union[DeviceSpec, str, None] = None) -> Costs:
+    """Costs of ``problem`` on ``device`` (a preset name, a ``DeviceSpec``, or ``None`` for the default h100)."""
+    spec = get_device(device)
+    times = tuple(op_time_us(op.flops, op.bytes_accessed, op.dtype, spec) for op in problem.ops)
+    return Costs(
+        op_time_us=times,
+        d2h_bytes_per_us=spec.d2h_bytes_per_s / 1e6,
+        h2d_bytes_per_us=spec.h2d_bytes_per_s / 1e6,
+        copy_latency_us=spec.copy_latency_us,
+        device=spec.name,
+    )
