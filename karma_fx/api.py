@@ -52,9 +52,10 @@ class Prepared:
         return self.keep.peak_bytes
 
     def min_peak_bytes(self) -> int:
-        """The lowest peak any plan here reaches: every saved activation offloaded and fetched just in time."""
+        """The lowest peak any plan here reaches: every saved activation swapped out synchronously right after
+        its last forward read and fetched back just in time."""
         if self._min_peak is None:
-            decisions = [offload_for(self.problem, g) for g in saved_gaps(self.problem)]
+            decisions = [offload_for(self.problem, g, release=True) for g in saved_gaps(self.problem)]
             self._min_peak = min(simulate(self.problem, decisions, self.costs).peak_bytes, self.keep.peak_bytes)
         return self._min_peak
 

@@ -34,6 +34,9 @@ class Offload:
     """Op at whose start the host→device copy is issued (the device buffer is allocated then)."""
     reload_before: str
     """First op that reads the tensor after the gap; compute waits for the copy before it."""
+    release_before: str | None = None
+    """If set, compute waits before this op until the device→host copy has landed, so the device bytes are
+    surely free from there on (a swap-out that must finish to make room). ``None``: never wait for it."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ It replays a plan over the problem on three streams — compute, device→host (
 way the runtime issues work:
 
 * compute runs the ops in order; a recompute chain runs just before the op it serves; before an op that
-  needs a prefetched tensor, compute waits for that copy (the wait is a *stall*);
+  needs a prefetched tensor, compute waits for that copy, and before an offload's ``release_before`` op it
+  waits for the offload to land (each wait is a *stall*);
 * an offload is issued on the D2H stream when compute finishes ``offload_after``; a prefetch is issued on the
   H2D stream when compute reaches ``prefetch_at`` and starts no earlier than its own offload has landed; each
   copy stream is FIFO in issue order;
@@ -59,6 +60,8 @@ class Timeline:
     stall_us: float
     host_peak_bytes: int
     rows: tuple[ScheduleRow, ...] = field(default=())
+    peak_op: str = ""
+    """The op (or recompute of it) during which the peak occurs."""
 
 
 @dataclass
@@ -124,6 +127,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
     prefetch_item: dict[int, list[Offload]] = defaultdict(list)  # item index → prefetches issued there
     offload_after_op: dict[int, list[Offload]] = defaultdict(list)
     wait_before_item: dict[int, list[Offload]] = defaultdict(list)
+    release_before_item: dict[int, list[Offload]] = defaultdict(list)
     for d in offloads:
         s = problem.storage(d.tensor)
         i_off, i_free = op_at(d.offload_after, "offload_after"), op_at(d.free_after, "free_after")
@@ -133,6 +137,12 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         if not (i_off <= i_free < i_pf <= i_rl):
             raise InvalidPlanError(f"{d.tensor}: need offload_after ≤ free_after < prefetch_at ≤ reload_before, got "
                                    f"{d.offload_after}, {d.free_after}, {d.prefetch_at}, {d.reload_before}")
+        if d.release_before is not None:
+            i_rel = op_at(d.release_before, "release_before")
+            if not (i_free < i_rel <= i_pf):
+                raise InvalidPlanError(f"{d.tensor}: need free_after < release_before ≤ prefetch_at, got "
+                                       f"{d.free_after}, {d.release_before}, {d.prefetch_at}")
+            release_before_item[first_item[i_rel]].append(d)
         gaps[d.tensor].append((op_item[i_free], first_item[i_pf], d))
         prefetch_item[first_item[i_pf]].append(d)
         offload_after_op[i_off].append(d)
@@ -251,11 +261,12 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
             h2d_end[id(d)] = h2d_free
             h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
             host_events.append((h2d_free, -size))
-        ready = max((h2d_end[id(d)] for d in wait_before_item.get(k, ())), default=t)
+        ready = max([h2d_end[id(d)] for d in wait_before_item.get(k, ())]
+                    + [d2h_end[id(d)] for d in release_before_item.get(k, ())], default=t)
         if ready > t:
             compute.append(Interval(f"wait {ops[item.op].name}", t, ready, "stall"))
             stall_total += ready - t
-            stall_at_op[op_at(wait_before_item[k][0].reload_before, "reload_before")] += ready - t
+            stall_at_op[group_of[k]] += ready - t
             t = ready
         start_us[k] = t
         duration = costs.op_time_us[item.op]
@@ -290,6 +301,12 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         live += delta[k]
         memory.append((start_us[k], live))
     peak = max((m for _, m in memory), default=0)
+    peak_item = next((k for k, (_, m) in enumerate(memory) if m == peak), 0)
+    peak_op = ""
+    if items:
+        peak_op = ops[items[peak_item].op].name
+        if items[peak_item].recompute is not None:
+            peak_op = f"recompute {peak_op} before {items[peak_item].recompute.reload_before}"
     host_peak = live_host = 0
     for _, change in sorted(host_events, key=lambda e: (e[0], e[1])):
         live_host += change
@@ -300,7 +317,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
     compute_us = sum(costs.op_time_us)
     return Timeline(compute=tuple(compute), d2h=tuple(d2h), h2d=tuple(h2d), memory=tuple(memory), peak_bytes=peak,
                     makespan_us=makespan, compute_us=compute_us, recompute_us=recompute_total, stall_us=stall_total,
-                    host_peak_bytes=host_peak, rows=rows)
+                    host_peak_bytes=host_peak, rows=rows, peak_op=peak_op)
 
 
 def _schedule_rows(problem: Problem, items: list[_Item], op_item: list[int], memory: list[tuple[float, int]],

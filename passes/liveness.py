@@ -217,15 +217,23 @@ def build_problem(step: CapturedStep, name: str = "model") -> Problem:
 
 
 def _cut_points(ops: list[Op], storages: list[Storage], num_fwd_ops: int) -> tuple[int, ...]:
-    """Forward ops after which later forward ops read no activation made before them."""
-    producer = {s.name: s.producer for s in storages if s.producer is not None}
+    """Forward ops after which later forward ops read no activation made before them.
+
+    Only activations on the gradient path count: a causal mask or rotary table made once from the inputs and
+    read by every layer does not tie the layers together (it stays resident, like an input).
+    """
+    on_grad_path = {s.name for s in storages if s.kind == "param"}
+    for op in ops[:num_fwd_ops]:
+        if any(s in on_grad_path for s in op.inputs):
+            on_grad_path.update(op.outputs)
+    producer = {s.name: s.producer for s in storages if s.producer is not None and s.name in on_grad_path}
     earliest_read = [
         min((producer[s] for s in op.inputs if s in producer), default=i) for i, op in enumerate(ops[:num_fwd_ops])
     ]
     cuts: list[int] = []
     suffix_min = num_fwd_ops
     for i in range(num_fwd_ops - 1, -1, -1):
-        if suffix_min >= i and ops[i].outputs:
+        if suffix_min >= i and ops[i].outputs and any(s in on_grad_path for s in ops[i].outputs):
             cuts.append(i)
         suffix_min = min(suffix_min, earliest_read[i])
     return tuple(sorted(cuts))

@@ -41,13 +41,22 @@ def saved_gaps(problem: Problem) -> list[Gap]:
     return gaps
 
 
-def offload_for(problem: Problem, gap: Gap, prefetch_at: int | None = None) -> Offload:
-    """Offload right after production, drop after the last forward read, prefetch at ``prefetch_at``."""
+def offload_for(problem: Problem, gap: Gap, prefetch_at: int | None = None, *,
+                release: bool | int = False) -> Offload:
+    """Offload right after production, drop after the last forward read, prefetch at ``prefetch_at``.
+
+    ``release``: ``True`` waits for the copy right after the last forward read; an op index waits before
+    that op (clamped into the gap); ``False`` never waits.
+    """
     ops = problem.ops
     producer = gap.storage.producer if gap.storage.producer is not None else 0
     pf = gap.first_bwd_use if prefetch_at is None else max(gap.last_fwd_use + 1, min(prefetch_at, gap.first_bwd_use))
+    release_before = None
+    if release is not False:
+        at = gap.last_fwd_use + 1 if release is True else int(release)
+        release_before = ops[max(gap.last_fwd_use + 1, min(at, pf))].name
     return Offload(tensor=gap.storage.name, offload_after=ops[producer].name, free_after=ops[gap.last_fwd_use].name,
-                   prefetch_at=ops[pf].name, reload_before=ops[gap.first_bwd_use].name)
+                   prefetch_at=ops[pf].name, reload_before=ops[gap.first_bwd_use].name, release_before=release_before)
 
 
 class RecomputeBuilder:

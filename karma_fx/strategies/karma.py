@@ -59,12 +59,14 @@ class Karma:
             boundary = set(problem.ops[blocks[b][1]].outputs)
             recomputable = [g for g in gs if problem.ops[g.storage.producer or 0].recomputable
                             and g.storage.name not in boundary]
+            # KARMA's swap-out of block b overlaps block b+1's forward and must be done when b+2 starts.
+            release = blocks[b + 2][0] if b + 2 < len(blocks) else problem.num_fwd_ops
             if swap_hidden or not recomputable:
-                choices.append(("swap", [offload_for(problem, g, prefetch_at=nxt) for g in gs]))
+                choices.append(("swap", [offload_for(problem, g, prefetch_at=nxt, release=release) for g in gs]))
             else:
                 rest = [g for g in gs if g not in recomputable]
                 choices.append(("recompute", [builder.group(recomputable, {g.storage.name for g in recomputable})]
-                                + [offload_for(problem, g, prefetch_at=nxt) for g in rest]))
+                                + [offload_for(problem, g, prefetch_at=nxt, release=release) for g in rest]))
 
         def prefix(k: int) -> tuple[Decision, ...]:
             return tuple(d for _, ds in choices[:k] for d in ds)
