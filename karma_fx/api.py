@@ -46,6 +46,7 @@ class Prepared:
     step: CapturedStep | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     _min_peak: int | None = None
+    _torch_saved: dict[float, frozenset[str]] = field(default_factory=dict)
 
     @property
     def unplanned_peak_bytes(self) -> int:
@@ -70,8 +71,7 @@ class Prepared:
                 raise KarmaError("torch-budget needs the captured graph, not just a Problem")
             from karma_fx.passes.torch_partition import saved_storages
 
-            step, problem = self.step, self.problem
-            cache: dict[float, frozenset[str]] = {}
+            step, problem, cache = self.step, self.problem, self._torch_saved
 
             def saved_set(fraction: float) -> frozenset[str]:
                 if fraction not in cache:
@@ -133,5 +133,5 @@ def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None,
     The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read.
     Raises ``InfeasibleBudgetError`` (naming the smallest workable budget) when the strategy cannot fit.
     """
-    parse_budget(budget, 1)  # reject nonsense before the (slow) capture
+    parse_budget(budget, unplanned_peak_bytes=1 << 62)  # reject nonsense before the (slow) capture
     return prepare(model, args, kwargs, device=device).plan(budget, strategy).plan

@@ -23,6 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
+from karma_fx.errors import KarmaError
+
+
+class DeviceError(KarmaError, ValueError):
+    """An unknown device name or an invalid ``DeviceSpec``."""
+
 __all__ = ["DeviceSpec", "PRESETS", "calibrate", "get_device"]
 
 GiB = 1 << 30
@@ -60,7 +66,7 @@ class DeviceSpec:
         try:
             pairs = tuple(sorted((_normalize_dtype(k), float(v)) for k, v in items))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"DeviceSpec {self.name!r}: peak_flops must map dtype names to numbers ({exc})") from None
+            raise DeviceError(f"DeviceSpec {self.name!r}: peak_flops must map dtype names to numbers ({exc})") from None
         object.__setattr__(self, "peak_flops", pairs)
         problems = []
         if not isinstance(self.name, str) or not self.name:
@@ -83,7 +89,7 @@ class DeviceSpec:
         if not _is_number(self.efficiency) or not 0 < self.efficiency <= 1:
             problems.append(f"efficiency must be in (0, 1], got {self.efficiency!r}")
         if problems:
-            raise ValueError(f"invalid DeviceSpec {self.name!r}: " + "; ".join(problems))
+            raise DeviceError(f"invalid DeviceSpec {self.name!r}: " + "; ".join(problems))
         self._flops.update(pairs)
 
     def flops_for(self, dtype: Any) -> float:
@@ -162,7 +168,7 @@ def get_device(name_or_spec: Union[str, DeviceSpec, None] = None) -> DeviceSpec:
     if isinstance(name_or_spec, DeviceSpec):
         return name_or_spec
     if not isinstance(name_or_spec, str):
-        raise TypeError(f"device must be a preset name or a DeviceSpec, got {type(name_or_spec).__name__}")
+        raise DeviceError(f"device must be a preset name or a DeviceSpec, got {type(name_or_spec).__name__}")
     key = name_or_spec.strip().lower().replace("_", "-").replace(" ", "-")
     key = key.removeprefix("nvidia-")
     head, *suffix = key.split("-")
@@ -171,7 +177,7 @@ def get_device(name_or_spec: Union[str, DeviceSpec, None] = None) -> DeviceSpec:
         known = set(spec.name.lower().split("-")[1:])
         if all(part in known for part in suffix if part):
             return spec
-    raise ValueError(
+    raise DeviceError(
         f"unknown device {name_or_spec!r}; presets: "
         + ", ".join(f"{k} ({s.name})" for k, s in PRESETS.items())
         + "; or pass a DeviceSpec / use calibrate()"

@@ -62,6 +62,8 @@ class Timeline:
     rows: tuple[ScheduleRow, ...] = field(default=())
     peak_op: str = ""
     """The op (or recompute of it) during which the peak occurs."""
+    peak_storages: tuple[tuple[str, int], ...] = ()
+    """(storage, bytes) resident at the peak, largest first: what a better plan would have to move."""
 
 
 @dataclass
@@ -184,6 +186,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         for k in range(first_item[i], op_item[i] + 1):
             group_of[k] = i
     made: dict[str, int] = {}
+    waited_from: dict[int, tuple[int, Offload]] = {}  # prefetched instance → (item of its wait, decision)
     for k, item in enumerate(items):
         for name in arrivals.get(k, ()):
             current[name] = new_instance(name, k)
@@ -200,6 +203,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
             if current.get(d.tensor) is not None:
                 raise InvalidPlanError(f"{d.tensor} is prefetched at {d.prefetch_at} while still on the device")
             current[d.tensor] = new_instance(d.tensor, k)
+            waited_from[current[d.tensor]] = (first_item[op_at(d.reload_before, "reload_before")], d)
         op = ops[item.op]
         for sname in op.inputs:
             inst = made.get(sname) if r is not None else None
@@ -208,6 +212,10 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
             if inst is None:
                 where = f"recomputing {op.name} before {r.reload_before}" if r is not None else op.name
                 raise InvalidPlanError(f"{sname} is read by {where} while it is not on the device")
+            if inst in waited_from and k < waited_from[inst][0]:
+                d = waited_from[inst][1]
+                raise InvalidPlanError(f"{sname} is read by {op.name} before {d.reload_before}, where compute waits "
+                                       "for its prefetch: reload_before must be its first read after the gap")
             item.reads.append(inst)
             reads_of[inst].append(k)
         for sname in op.outputs:
@@ -302,6 +310,14 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         memory.append((start_us[k], live))
     peak = max((m for _, m in memory), default=0)
     peak_item = next((k for k, (_, m) in enumerate(memory) if m == peak), 0)
+    at_peak = []
+    for inst in instances:
+        end = inst.end
+        if inst.copy_end_us > 0:
+            end = max(end, bisect.bisect_left(start_us, inst.copy_end_us) - 1)
+        if inst.alloc <= peak_item <= end:
+            at_peak.append((inst.storage, inst.size))
+    at_peak.sort(key=lambda e: (-e[1], e[0]))
     peak_op = ""
     if items:
         peak_op = ops[items[peak_item].op].name
@@ -317,7 +333,8 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
     compute_us = sum(costs.op_time_us)
     return Timeline(compute=tuple(compute), d2h=tuple(d2h), h2d=tuple(h2d), memory=tuple(memory), peak_bytes=peak,
                     makespan_us=makespan, compute_us=compute_us, recompute_us=recompute_total, stall_us=stall_total,
-                    host_peak_bytes=host_peak, rows=rows, peak_op=peak_op)
+                    host_peak_bytes=host_peak, rows=rows, peak_op=peak_op,
+                    peak_storages=tuple(at_peak))
 
 
 def _schedule_rows(problem: Problem, items: list[_Item], op_item: list[int], memory: list[tuple[float, int]],

@@ -44,6 +44,10 @@ class CapturedStep:
     """The (fake) example inputs of the joint graph, as AOTAutograd handed them to the partitioner."""
 
 
+class _JointCaptured(Exception):
+    """Raised from inside the partitioner once the joint graph is in hand."""
+
+
 class _StepModule(nn.Module):
     """Holds fake copies of the model's parameters and buffers and calls the model functionally with them.
 
@@ -125,7 +129,6 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     differentiated, as ``loss.backward()`` would; otherwise every tensor output is, with its incoming gradient
     as a ``tangents_*`` input (what ``torch.compile`` sees).
     """
-    from functorch.compile import default_partition
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -179,14 +182,19 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
         captured["joint"] = joint
         captured["joint_inputs"] = joint_inputs
         captured["num_fwd_outputs"] = kw["num_fwd_outputs"]
-        return default_partition(joint, joint_inputs, **kw)
+        # The joint graph is all we need: stop AOTAutograd before it partitions and code-generates wrappers
+        # (that codegen recurses once per parameter and overflows on ResNet-1001's 3,000 tensors).
+        raise _JointCaptured
 
     def identity_compiler(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
         return gm
 
     with fake_mode, _as_torch_compile_sees_it(), _friendly_errors("capturing the training step"):
-        aot_module_simplified(step, tuple(fake_inputs), fw_compiler=identity_compiler,
-                              bw_compiler=identity_compiler, partition_fn=partition)
+        try:
+            aot_module_simplified(step, tuple(fake_inputs), fw_compiler=identity_compiler,
+                                  bw_compiler=identity_compiler, partition_fn=partition)
+        except _JointCaptured:
+            pass
     if "joint" not in captured:
         raise UnsupportedModelError("the model's outputs do not require grad: there is no backward to plan "
                                     "(put the model in training mode with parameters that require grad)")

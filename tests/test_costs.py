@@ -5,6 +5,8 @@ import dataclasses
 import math
 
 import pytest
+
+from karma_fx.errors import KarmaError
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -141,7 +143,7 @@ def test_get_device_passthrough_and_errors():
     for bad in ("tpu-v5", "a100-40gb", "h1000", ""):
         with pytest.raises(ValueError, match="presets: v100"):
             get_device(bad)
-    with pytest.raises(TypeError):
+    with pytest.raises(KarmaError, match="preset name or a DeviceSpec"):
         get_device(3)  # type: ignore[arg-type]
 
 

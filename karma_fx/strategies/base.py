@@ -5,7 +5,7 @@ and a status, and leaves the simulated figures to ``karma_fx.simulate`` so all s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from karma_fx.costs import Costs
@@ -73,14 +73,27 @@ class RecomputeBuilder:
         and that was dropped is listed, so it is rebuilt once and kept until its last read.
         """
         problem = self.problem
-        resident = {s.name for s in problem.storages} - dropped_names
+        reload = min(g.first_bwd_use for g in dropped)
+        # Resident at the reload point: what the unplanned step still holds there, minus what was dropped.
+        # (A forward-only temporary such as the pre-softmax scores is gone by then and must be rebuilt
+        # too; reading it would silently stretch its life across the whole step.)
+        # Outputs of random or mutating ops cannot be rebuilt: a chain that needs one keeps it alive.
+        resident = {s.name for s in problem.storages
+                    if _alive_at(s, reload) or (s.producer is not None and not problem.ops[s.producer].recomputable)}
+        resident -= dropped_names
         targets = [g.storage.name for g in dropped]
         chain = recompute_ops(problem, targets, resident, self.graph)
         made = {s for i in chain for s in problem.ops[i].outputs}
-        tensors = tuple(s for s in sorted(made & dropped_names, key=lambda n: problem.storage(n).producer or 0))
-        reload = min(g.first_bwd_use for g in dropped)
+        tensors = tuple(sorted(made & dropped_names, key=lambda n: (problem.storage(n).producer or 0, n)))
         return Recompute(tensors=tensors, ops=tuple(problem.ops[i].name for i in chain),
                          reload_before=problem.ops[reload].name)
+
+
+def _alive_at(s: Storage, op: int) -> bool:
+    """Whether the unplanned step holds ``s`` when ``op`` runs."""
+    if s.producer is None:
+        return True
+    return s.producer < op and (s.lives_to_end or (bool(s.users) and s.users[-1] >= op))
 
 
 def blocks_from_cuts(problem: Problem, count: int) -> list[tuple[int, int]]:
@@ -110,3 +123,32 @@ def blocks_from_cuts(problem: Problem, count: int) -> list[tuple[int, int]]:
 
 def timeline_of(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] | list[Decision]) -> Timeline:
     return simulate(problem, tuple(decisions), costs)
+
+
+def reconcile(problem: Problem, decisions: tuple[Decision, ...] | list[Decision]) -> tuple[Decision, ...]:
+    """Make offloads and recomputes agree: an offloaded tensor that a recompute chain reads is back (and
+    waited for) before that chain, not only before its own first backward read."""
+    op_index = problem.op_index
+    needed_by: dict[str, int] = {}
+    for d in decisions:
+        if isinstance(d, Recompute):
+            at = op_index(d.reload_before)
+            made = {s for name in d.ops for s in problem.ops[op_index(name)].outputs}
+            for name in d.ops:
+                for s in problem.ops[op_index(name)].inputs:
+                    if s not in made:
+                        needed_by[s] = min(needed_by.get(s, at), at)
+    out: list[Decision] = []
+    for d in decisions:
+        if isinstance(d, Offload) and d.tensor in needed_by and needed_by[d.tensor] < op_index(d.reload_before):
+            at = needed_by[d.tensor]
+            if at <= op_index(d.free_after):
+                raise ValueError(f"{d.tensor} is needed by a recompute before it could be offloaded")
+            prefetch = min(op_index(d.prefetch_at), at)
+            release = d.release_before
+            if release is not None and op_index(release) > prefetch:
+                release = problem.ops[prefetch].name
+            d = replace(d, prefetch_at=problem.ops[prefetch].name, reload_before=problem.ops[at].name,
+                        release_before=release)
+        out.append(d)
+    return tuple(out)

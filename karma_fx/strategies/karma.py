@@ -11,7 +11,8 @@ from __future__ import annotations
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import Gap, RecomputeBuilder, blocks_from_cuts, offload_for, saved_gaps, timeline_of
+from karma_fx.strategies.base import (Gap, RecomputeBuilder, blocks_from_cuts, offload_for, reconcile, saved_gaps,
+                                     timeline_of)
 
 _BLOCK_COUNTS = (4, 8, 12, 16, 24, 32, 48)
 
@@ -69,7 +70,7 @@ class Karma:
                                 + [offload_for(problem, g, prefetch_at=nxt, release=release) for g in rest]))
 
         def prefix(k: int) -> tuple[Decision, ...]:
-            return tuple(d for _, ds in choices[:k] for d in ds)
+            return reconcile(problem, [d for _, ds in choices[:k] for d in ds])
 
         # Evict blocks front to back until the step fits: the smallest fitting prefix, by bisection (the peak
         # falls as more blocks leave; the simulator has the last word on each probe).

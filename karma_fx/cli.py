@@ -1,0 +1,296 @@
+"""``karma-fx``: plan a zoo model from the shell, compare strategies, list the zoo.
+
+    karma-fx plan gpt2 --budget 0.7 --plot out/timeline.png
+    karma-fx compare cnn --size tiny --budgets 0.9,0.8
+    karma-fx models
+
+Every error a user can fix (a ``KarmaError``: bad budget, infeasible budget, unknown model or strategy) is
+printed as one ``karma-fx: error: …`` line with exit status 2, never a traceback; the message already says
+what would work (e.g. the smallest feasible budget).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from karma_fx.budget import format_bytes, parse_budget
+from karma_fx.errors import KarmaError
+
+PROG = "karma-fx"
+DEFAULT_MODEL = "gpt2"
+
+
+class CliError(KarmaError):
+    """A command-line request that cannot be honoured (an option that does not apply to the model, …)."""
+
+
+# ---- argument parsing -------------------------------------------------------------------------------------
+def _zoo_names() -> list[str]:
+    from karma_fx.zoo import names
+
+    return names()
+
+
+def _device_names() -> list[str]:
+    from karma_fx.device import PRESETS
+
+    return list(PRESETS)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``plan`` and ``compare``: which model, at which size, on which device."""
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
+                   help=f"zoo model (default {DEFAULT_MODEL}): {', '.join(_zoo_names())}")
+    p.add_argument("--size", choices=("tiny", "real"), default="real",
+                   help="real: the published architecture, built on the meta device (default); "
+                        "tiny: a CPU-sized copy for quick checks")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: the zoo's for this size)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length, language models only "
+                                                          "(default: the zoo's for this size)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers (transformers only)")
+    p.add_argument("--device", default="h100",
+                   help=f"device preset whose costs and speeds are used (default h100): {', '.join(_device_names())}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree; separate from ``main`` so docs and tests can inspect it."""
+    from karma_fx.strategies import DEFAULT_STRATEGY, STRATEGY_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Out-of-core training planner for PyTorch: decides per tensor whether to keep, "
+                               "offload+prefetch or recompute it under a device-memory budget.")
+    from karma_fx import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p_plan = sub.add_parser("plan", help="plan one model at one budget and print the schedule",
+                            description="Capture the model's training step, plan it under the budget and print "
+                                        "the schedule with the predicted step time and peak.")
+    _add_model_args(p_plan)
+    p_plan.add_argument("--budget", default="0.5",
+                        help="device-memory budget: a size ('24GiB', '800MB') or a fraction of the unplanned "
+                             "peak ('0.5', the default)")
+    p_plan.add_argument("--strategy", default=DEFAULT_STRATEGY,
+                        help=f"one of {', '.join(STRATEGY_NAMES)} (default {DEFAULT_STRATEGY})")
+    p_plan.add_argument("--json", metavar="FILE", help="save the plan as JSON (reload with karma_fx.Plan.load)")
+    p_plan.add_argument("--plot", metavar="FILE", help="draw memory and the three streams (.png or .svg)")
+    p_plan.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
+    p_plan.add_argument("--max-rows", type=int, default=60, help="schedule rows to print (default 60; -1: all)")
+    p_plan.set_defaults(func=cmd_plan)
+
+    p_cmp = sub.add_parser("compare", help="plan every strategy at several budgets and print a grid",
+                           description="Capture once, then plan each strategy at each budget. Cells show the "
+                                       "slowdown over the unlimited-memory step and the simulated peak.")
+    _add_model_args(p_cmp)
+    p_cmp.add_argument("--budgets", default="0.7,0.5,0.35,0.25",
+                       help="comma-separated budgets, sizes or fractions (default 0.7,0.5,0.35,0.25)")
+    p_cmp.add_argument("--strategies", default=",".join(STRATEGY_NAMES),
+                       help=f"comma-separated strategies (default all: {','.join(STRATEGY_NAMES)})")
+    p_cmp.set_defaults(func=cmd_compare)
+
+    p_models = sub.add_parser("models", help="list the model zoo")
+    p_models.set_defaults(func=cmd_models)
+    return parser
+
+
+# ---- shared steps -----------------------------------------------------------------------------------------
+def _check_device(name: str) -> str:
+    """Resolve the preset now: ``get_device`` raises a plain ``ValueError``, which we turn into a clean error."""
+    from karma_fx.device import get_device
+
+    try:
+        return get_device(name).name
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    """Reject an unknown model or a misapplied option before the (slow) import of transformers and capture."""
+    from karma_fx.zoo import ZOO
+
+    if args.model not in ZOO:
+        raise CliError(f"unknown model {args.model!r}; choose one of: {', '.join(ZOO)}")
+    entry = ZOO[args.model]
+    if args.layers is not None and "layers" not in entry.overrides:
+        takers = [n for n, m in ZOO.items() if "layers" in m.overrides]
+        raise CliError(f"--layers does not apply to {args.model} (accepted overrides: "
+                       f"{', '.join(entry.overrides) or 'none'}); models with layers: {', '.join(takers)}")
+    if args.seq is not None and not entry.takes_seq:
+        raise CliError(f"--seq does not apply to {args.model}, which takes images")
+    for flag in ("batch", "seq", "layers"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise CliError(f"--{flag} must be a positive integer, got {value}")
+
+
+def _prepare(args: argparse.Namespace) -> Any:
+    """Build the zoo model (on meta at real size: no weights are allocated) and capture its training step."""
+    import karma_fx
+    from karma_fx.zoo import build
+
+    overrides = {"layers": args.layers} if args.layers is not None else {}
+    device = "meta" if args.size == "real" else "cpu"
+    t0 = time.perf_counter()
+    model, model_args, model_kwargs = build(args.model, args.size, batch=args.batch, seq=args.seq, device=device,
+                                            **overrides)
+    build_s = time.perf_counter() - t0
+    name = args.model if args.size == "real" else f"{args.model}-tiny"
+    prepared = karma_fx.prepare(model, model_args, model_kwargs, device=args.device, name=name)
+    prepared.seconds.setdefault("build", build_s)
+    return prepared
+
+
+def _check_budget(budget: str) -> None:
+    """Validate a budget before the slow capture. A fraction needs the unplanned peak, not known yet, so a
+    huge stand-in is used: with 1 every fraction below 1 would round to zero bytes and be refused."""
+    parse_budget(budget, 1 << 60)
+
+
+def _write(path: str, what: str, writer: Callable[[Path], None]) -> None:
+    """Create parent folders (``--plot out/x.png`` should just work) and say where the file went."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        writer(target)
+    except OSError as exc:
+        raise CliError(f"cannot write {what} to {path}: {exc.strerror or exc}") from None
+    print(f"wrote {what}: {target}")
+
+
+def _seconds(seconds: dict[str, float], keys: Sequence[str]) -> str:
+    return ", ".join(f"{k} {seconds[k]:.2f} s" for k in keys if k in seconds)
+
+
+# ---- commands ---------------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``karma-fx plan``: one model, one budget, one strategy; print the schedule and write what was asked."""
+    from karma_fx.strategies import STRATEGY_NAMES
+
+    _check_model(args)
+    _check_budget(args.budget)
+    if args.strategy not in STRATEGY_NAMES:
+        raise CliError(f"unknown strategy {args.strategy!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+    device_name = _check_device(args.device)
+    prepared = _prepare(args)
+    planned = prepared.plan(args.budget, args.strategy)
+    plan = planned.plan
+    max_rows = None if args.max_rows is not None and args.max_rows < 0 else args.max_rows
+    print(f"{args.model} ({args.size}) on {device_name}, budget {args.budget} = {format_bytes(plan.budget_bytes)}")
+    print()
+    print(plan.table(max_rows=max_rows))
+    seconds = planned.seconds
+    total = sum(seconds.get(k, 0.0) for k in ("build", "capture", "liveness", "costs", "strategy"))
+    print(f"planning took {total:.2f} s: {_seconds(seconds, ('build', 'capture', 'liveness', 'costs', 'strategy'))}")
+    if args.json:
+        _write(args.json, "plan", plan.save)
+    if args.plot:
+        from karma_fx.report import plot_timeline
+
+        title = f"{plan.model} · {plan.strategy} · budget {format_bytes(plan.budget_bytes)} · {plan.device}"
+        _write(args.plot, "plot", lambda p: plot_timeline(planned.timeline, p, budget_bytes=plan.budget_bytes,
+                                                          title=title))
+    if args.trace:
+        from karma_fx.report import write_chrome_trace
+
+        _write(args.trace, "trace", lambda p: write_chrome_trace(planned.timeline, p, name=plan.model))
+    return 0
+
+
+def _split(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise CliError(f"no {what} given")
+    return items
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``karma-fx compare``: capture once, plan every strategy at every budget, print the grid."""
+    from karma_fx.report import compare_table
+    from karma_fx.strategies import STRATEGY_NAMES
+
+    _check_model(args)
+    budgets = _split(args.budgets, "budgets")
+    for b in budgets:
+        _check_budget(b)
+    strategies = _split(args.strategies, "strategies")
+    unknown = [s for s in strategies if s not in STRATEGY_NAMES]
+    if unknown:
+        raise CliError(f"unknown strateg{'y' if len(unknown) == 1 else 'ies'} {', '.join(map(repr, unknown))}; "
+                       f"choose from {', '.join(STRATEGY_NAMES)}")
+    device_name = _check_device(args.device)
+    prepared = _prepare(args)
+    rows: list[dict[str, Any]] = []
+    per_strategy: dict[str, float] = {}
+    for s in strategies:
+        t0 = time.perf_counter()
+        for b in budgets:
+            budget_bytes = parse_budget(b, prepared.unplanned_peak_bytes)
+            row: dict[str, Any] = {"strategy": s, "budget": b, "budget_bytes": budget_bytes}
+            try:
+                plan = prepared.plan(b, s, raise_if_infeasible=False).plan
+            except KarmaError as exc:
+                row.update(fits=False, slowdown=None, peak_bytes=None, error=str(exc))
+            else:
+                row.update(fits=plan.fits, slowdown=plan.slowdown, peak_bytes=plan.peak_bytes)
+            rows.append(row)
+        per_strategy[s] = time.perf_counter() - t0
+    keep = prepared.keep
+    print(f"{args.model} ({args.size}) on {device_name}: slowdown over the unlimited-memory step / simulated peak "
+          "(* fastest that fits)")
+    print()
+    print(compare_table(rows))
+    print()
+    print(f"unplanned peak     {format_bytes(prepared.unplanned_peak_bytes)}")
+    print(f"unlimited step     {keep.makespan_us / 1e3:,.3f} ms")
+    print(f"smallest peak      {format_bytes(prepared.min_peak_bytes())} (every saved activation offloaded "
+          "synchronously; no plan goes lower)")
+    print(f"capture            {_seconds(prepared.seconds, ('build', 'capture', 'liveness', 'costs'))}")
+    print(f"planning time      " + ", ".join(f"{s} {t:.2f} s" for s, t in per_strategy.items())
+          + f" (for {len(budgets)} budget{'s' if len(budgets) != 1 else ''})")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """``karma-fx models``: what can be planned, with the sizes the zoo defaults to."""
+    from tabulate import tabulate
+
+    from karma_fx.zoo import ZOO
+
+    body = []
+    for m in ZOO.values():
+        shape = f"batch {m.default_batch_real}" + (f", seq {m.default_seq_real}" if m.takes_seq else "")
+        body.append([m.name, m.description, shape, ", ".join(m.overrides)])
+    print(tabulate(body, headers=["model", "description", "real size defaults", "overrides"], tablefmt="simple"))
+    return 0
+
+
+# ---- entry point ------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI and return the exit status (0 ok, 2 usage or planning error) instead of exiting, so tests
+    and ``python -m karma_fx`` can call it in-process."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or an argparse usage error (already printed)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        with warnings.catch_warnings():
+            # PyTorch's own deprecation chatter from tracing internals says nothing the user can act on.
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|copyreg)(\.|$)")
+            warnings.filterwarnings("ignore", category=FutureWarning, message=r".*LeafSpec.*")
+            return int(args.func(args))
+    except KarmaError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny zoo models captured once per session (capture is the slow part of planning)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from karma_fx.zoo import build
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(name: str):
+    """(model, args, kwargs) of a tiny zoo model, built once."""
+    return build(name, "tiny")
+
+
+@functools.lru_cache(maxsize=None)
+def prepared(name: str, device: str = "h100"):
+    """``karma_fx.prepare`` of a tiny zoo model, shared between tests (read-only)."""
+    import karma_fx
+
+    model, args, kwargs = tiny(name)
+    return karma_fx.prepare(model, args, kwargs, device=device, name=name)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,101 @@
+"""The simulator on a problem small enough to work out by hand (see helpers.chain_problem)."""
+from __future__ import annotations
+
+import pytest
+
+from karma_fx.errors import InvalidPlanError
+from karma_fx.plan import Offload, Recompute
+from karma_fx.simulate import simulate
+
+from helpers import chain_problem, flat_costs
+
+
+def mem(timeline):
+    return [b for _, b in timeline.memory]
+
+
+def test_keep_profile_and_time():
+    p = chain_problem()
+    tl = simulate(p, (), flat_costs(p))
+    assert mem(tl) == [1110, 2110, 2114, 3118, 3114, 1214]
+    assert tl.peak_bytes == 3118 and tl.peak_op == "b2"
+    assert tl.makespan_us == 60 and tl.stall_us == 0 and tl.recompute_us == 0
+    assert tl.rows == ()
+
+
+def test_offload_prefetched_too_early_saves_nothing_at_the_peak():
+    p = chain_problem()
+    plan = [Offload("A", offload_after="f0", free_after="f1", prefetch_at="b2", reload_before="b1")]
+    tl = simulate(p, plan, flat_costs(p))
+    # The D2H copy runs 10..20, so A is gone when `loss` starts at 20; the prefetch at b2 brings it back.
+    assert mem(tl) == [1110, 2110, 1114, 3118, 3114, 1214]
+    assert [(i.start_us, i.end_us) for i in tl.d2h] == [(10, 20)]
+    assert [(i.start_us, i.end_us) for i in tl.h2d] == [(30, 40)]
+    assert tl.makespan_us == 60 and tl.stall_us == 0
+    assert tl.host_peak_bytes == 1000
+
+
+def test_just_in_time_prefetch_lowers_the_peak_and_stalls():
+    p = chain_problem()
+    plan = [Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1", reload_before="b1")]
+    tl = simulate(p, plan, flat_costs(p))
+    assert mem(tl) == [1110, 2110, 1114, 2118, 3114, 1214]
+    assert tl.peak_bytes == 3118 - 4 and tl.stall_us == 10 and tl.makespan_us == 70
+    row = {r.op: r for r in tl.rows}
+    assert row["f0"].offload == ("A",) and row["f1"].free == ("A",)
+    assert row["b1"].prefetch == ("A",) and row["b1"].stall_us == 10
+
+
+def test_in_flight_offload_keeps_the_tensor_alive():
+    p = chain_problem()
+    plan = [Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1", reload_before="b1")]
+    slow = flat_costs(p, bytes_per_us=10.0)  # 1000 bytes take 100 µs
+    tl = simulate(p, plan, slow)
+    assert mem(tl)[2] == 2114  # still copying at `loss`: A counted
+    assert tl.h2d[0].start_us == 110  # the prefetch cannot start before the offload landed
+
+
+def test_release_waits_for_the_copy():
+    p = chain_problem()
+    plan = [Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1", reload_before="b1",
+                    release_before="loss")]
+    tl = simulate(p, plan, flat_costs(p, bytes_per_us=10.0))
+    assert tl.stall_us >= 90 - 1e-9  # compute waits from 20 until the copy lands at 110
+    assert mem(tl)[2] == 1114
+
+
+def test_recompute():
+    p = chain_problem()
+    plan = [Recompute(tensors=("A",), ops=("f0",), reload_before="b1")]
+    tl = simulate(p, plan, flat_costs(p))
+    assert mem(tl) == [1110, 2110, 1114, 2118, 2114, 3114, 1214]
+    assert tl.recompute_us == 10 and tl.makespan_us == 70 and tl.peak_bytes == 3114
+    assert [i.kind for i in tl.compute].count("recompute") == 1
+    row = {r.op: r for r in tl.rows}
+    assert row["b1"].recompute == ("A",) and row["f1"].free == ("A",)
+
+
+@pytest.mark.parametrize("plan, message", [
+    ([Offload("A", "f0", "f0", "gw", "gw")], "not on the device"),
+    ([Offload("A", "f1", "f0", "b1", "b1")], "offload_after"),
+    ([Offload("Z", "f0", "f1", "b1", "b1")], "not a storage"),
+    ([Offload("A", "f0", "nope", "b1", "b1")], "no op named"),
+    ([Recompute(("A",), ("f0",), "b2"), Offload("A", "f0", "f1", "b1", "b1")], "still on the device"),
+    # Rebuilding B needs A, which is on the host from f1 until b1.
+    ([Recompute(("B",), ("f1",), "b2"), Offload("A", "f0", "f1", "b1", "b1")], "read by recomputing f1"),
+])
+def test_invalid_plans_are_rejected_with_a_reason(plan, message):
+    p = chain_problem()
+    with pytest.raises(InvalidPlanError, match=message):
+        simulate(p, plan, flat_costs(p))
+
+
+def test_random_ops_are_never_recomputed():
+    from dataclasses import replace
+
+    p = chain_problem()
+    ops = list(p.ops)
+    ops[0] = replace(ops[0], random=True)
+    p = replace(p, ops=tuple(ops), _index={}, _op_index={})
+    with pytest.raises(InvalidPlanError, match="random"):
+        simulate(p, [Recompute(("A",), ("f0",), "b1")], flat_costs(p))
