@@ -1,0 +1,29 @@
+"""The benchmark scripts run (at tiny size) and print their tables; their numbers are for the closing note."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_smoke(capsys, tmp_path):
+    compare = load("compare")
+    out_json = tmp_path / "r.json"
+    assert compare.main(["--size", "tiny", "--models", "cnn,gpt2", "--budgets", "0.95,0.9",
+                         "--strategies", "keep,karma,checkpoint", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for word in ("## cnn", "## gpt2", "karma", "checkpoint", "planning:"):
+        assert word in out
+    import json
+
+    results = json.loads(out_json.read_text())
+    assert [r["model"] for r in results] == ["cnn", "gpt2"]
+    assert all(len(r["cells"]) == 6 for r in results)
