@@ -66,9 +66,7 @@ class Prepared:
         if not isinstance(strategy, str):
             return strategy
         saved_set = None
-        if strategy == "torch-budget":
-            if self.step is None:
-                raise KarmaError("torch-budget needs the captured graph, not just a Problem")
+        if strategy in ("torch-budget", "cpsat") and self.step is not None:
             from karma_fx.passes.torch_partition import saved_storages
 
             step, problem, cache = self.step, self.problem, self._torch_saved

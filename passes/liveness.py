@@ -259,17 +259,24 @@ def recompute_ops(problem: Problem, targets: list[str] | tuple[str, ...], reside
     that is not resident.
     """
     g = graph if graph is not None else dependency_graph(problem)
-    blocked = {("s", s) for s in resident if ("s", s) in g}
-    view = nx.restricted_view(g, blocked, [])
+    # Walk producers backwards from each target and stop at resident storages: the work is proportional to
+    # the chain, not the graph (a filtered networkx view would re-count the whole graph at every step).
     needed: set[int] = set()
-    for t in targets:
-        if t in resident:
+    seen: set[tuple[str, object]] = set()
+    stack = [("s", t) for t in targets if t not in resident]
+    while stack:
+        node = stack.pop()
+        if node in seen:
             continue
-        for node in nx.ancestors(view, ("s", t)) | {("s", t)}:
-            if node[0] == "o":
-                needed.add(node[1])
-            elif problem.storage(node[1]).producer is None:
-                raise ValueError(f"rebuilding {t} needs graph input {node[1]}, which is not resident")
+        seen.add(node)
+        if node[0] == "s":
+            if node[1] in resident:
+                continue
+            if problem.storage(node[1]).producer is None:
+                raise ValueError(f"rebuilding {list(targets)} needs graph input {node[1]}, which is not resident")
+        else:
+            needed.add(node[1])
+        stack.extend(g.predecessors(node))
     for i in needed:
         if not problem.ops[i].recomputable:
             raise ValueError(f"rebuilding {targets} would re-run {problem.ops[i].name} "

@@ -9,13 +9,15 @@ from typing import Callable
 
 from karma_fx.strategies.base import Strategy
 from karma_fx.strategies.checkpoint import Checkpoint
+from karma_fx.strategies.cpsat import CpSat, SolverOptions
 from karma_fx.strategies.karma import Karma
 from karma_fx.strategies.keep import Keep
 from karma_fx.strategies.offload import OffloadAll
 from karma_fx.strategies.torch_budget import SavedSetFn, TorchBudget
 
-STRATEGY_NAMES = ("keep", "checkpoint", "offload", "torch-budget", "karma")
-DEFAULT_STRATEGY = "karma"
+STRATEGY_NAMES = ("keep", "checkpoint", "offload", "torch-budget", "karma", "cpsat")
+HEURISTICS = ("checkpoint", "offload", "torch-budget", "karma")
+DEFAULT_STRATEGY = "karma"  # cpsat becomes the default once it beats every heuristic (issue 3)
 
 
 def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
@@ -30,6 +32,10 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
         if saved_set is None:
             raise ValueError("torch-budget needs the captured graph (plan through karma_fx.plan)")
         return TorchBudget(saved_set)
+    if name == "cpsat":
+        # The heuristics are the exact planner's fallback; torch-budget joins when the graph is at hand.
+        fallbacks = [make_strategy(h, saved_set) for h in HEURISTICS if h != "torch-budget" or saved_set]
+        return CpSat(fallbacks)
     if name not in factories:
         from karma_fx.errors import KarmaError
 
@@ -37,5 +43,5 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
     return factories[name]()
 
 
-__all__ = ["STRATEGY_NAMES", "DEFAULT_STRATEGY", "Strategy", "make_strategy", "Checkpoint", "Karma", "Keep",
+__all__ = ["STRATEGY_NAMES", "HEURISTICS", "DEFAULT_STRATEGY", "CpSat", "SolverOptions", "Strategy", "make_strategy", "Checkpoint", "Karma", "Keep",
            "OffloadAll", "TorchBudget"]

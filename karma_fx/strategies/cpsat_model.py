@@ -1,0 +1,109 @@
+"""The exact planner's model: candidates and their options as plain data, then one CP-SAT model over them.
+
+Formulation (see ``shared/research/cpsat.md`` for why this shape scales and the alternatives that did not):
+
+* the compute order is the traced order; positions are ops;
+* each candidate (a saved activation) is kept, recomputed from what the unplanned step still holds at its
+  first backward read, or offloaded: copied out after its producer, *released* (compute waits for the copy
+  before position r, the device bytes are free from r), and prefetched at position p, waited for before its
+  first backward read b; r and p come from short candidate lists;
+* memory is exact at every position by incremental sums (it depends on where tensors leave and come back,
+  never on timing), rounded to 64 KiB units with savings rounded down and usage up;
+* time is the compute stream with a wait variable at every position, plus two FIFO copy streams in the order
+  the runtime issues them (offloads by producer, prefetches by issue position), exactly as the simulator
+  replays them, so the model's step time and the simulator's agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from karma_fx.costs import Costs
+from karma_fx.passes.liveness import dependency_graph, recompute_ops
+from karma_fx.plan import Decision, Offload, Recompute
+from karma_fx.problem import Problem
+from karma_fx.strategies.base import _alive_at, saved_gaps
+
+MEMORY_UNIT = 64 * 1024
+TIME_SCALE = 10  # model time unit: 0.1 µs
+
+
+@dataclass(eq=False)
+class Candidate:
+    name: str
+    size: int
+    producer: int
+    last_fwd: int
+    first_bwd: int
+    releases: list[int]
+    prefetches: list[int]
+    chain: tuple[int, ...] | None = None
+    chain_time: float = 0.0
+    chain_temp_bytes: int = 0
+    needs_kept: list[str] = field(default_factory=list)
+    extends: list[tuple[str, int, int]] = field(default_factory=list)  # (storage, from position, to position)
+
+
+def candidates(problem: Problem, min_bytes: int = MEMORY_UNIT, choices: int = 3,
+               max_chain: int = 24) -> list[Candidate]:
+    """The saved activations worth deciding on, each with its release / prefetch positions and recompute chain."""
+    nf = problem.num_fwd_ops
+    gaps = [g for g in saved_gaps(problem) if g.storage.size_bytes >= min_bytes]
+    names = {g.storage.name for g in gaps}
+    fwd_sync = sorted({c + 1 for c in problem.cut_points if c + 1 < nf} | {nf})
+    bwd_sync = sorted({g.first_bwd_use for g in gaps})
+    graph = dependency_graph(problem)
+    out: list[Candidate] = []
+    for g in gaps:
+        s = g.storage
+        f, b = g.last_fwd_use, g.first_bwd_use
+        releases = [f + 1] + [x for x in fwd_sync if f + 1 < x <= b][:choices]
+        prefetches = sorted({b, *[x for x in bwd_sync if max(releases[0], nf) <= x < b][-choices:]})
+        cand = Candidate(s.name, s.size_bytes, s.producer or 0, f, b, sorted(set(releases)), prefetches)
+        if problem.ops[cand.producer].recomputable:
+            _attach_chain(problem, cand, names, graph, max_chain)
+        out.append(cand)
+    return out
+
+
+def _attach_chain(problem: Problem, cand: Candidate, names: set[str], graph, max_chain: int) -> None:
+    b = cand.first_bwd
+    resident = {s.name for s in problem.storages
+                if _alive_at(s, b) or (s.producer is not None and not problem.ops[s.producer].recomputable)}
+    resident.discard(cand.name)
+    try:
+        chain = recompute_ops(problem, [cand.name], resident, graph)
+    except ValueError:
+        return
+    if not chain or len(chain) > max_chain:
+        return
+    made = {s for i in chain for s in problem.ops[i].outputs}
+    reads = {s for i in chain for s in problem.ops[i].inputs} - made
+    cand.chain = chain
+    cand.chain_temp_bytes = sum(problem.storage(s).size_bytes for s in made if s != cand.name)
+    cand.needs_kept = sorted(r for r in reads if r in names)
+    for r in sorted(reads - names):
+        st = problem.storage(r)
+        if not _alive_at(st, b):  # a forward-only output the chain keeps alive until b
+            last = max(st.users, default=st.producer or 0)
+            cand.extends.append((r, last + 1, b))
+
+
+def chain_time(costs: Costs, cand: Candidate) -> float:
+    return sum(costs.op_time_us[i] for i in cand.chain or ())
+
+
+def decisions_from(problem: Problem, chosen: dict[str, tuple]) -> tuple[Decision, ...]:
+    """Decisions in the order the runtime issues them: offloads by (producer, name) so the D2H FIFO matches,
+    then (stable) prefetch order is by reload position, which the model keeps monotone in issue position."""
+    ops = problem.ops
+    out: list[Decision] = []
+    offloads = sorted(((c, r, p) for c, (kind, r, p) in chosen.items() if kind == "offload"),
+                      key=lambda e: (e[0].first_bwd, e[0].name))
+    for c, r, p in offloads:
+        out.append(Offload(tensor=c.name, offload_after=ops[c.producer].name, free_after=ops[c.last_fwd].name,
+                           prefetch_at=ops[p].name, reload_before=ops[c.first_bwd].name, release_before=ops[r].name))
+    for c, (kind, _, _) in sorted(chosen.items(), key=lambda e: (e[0].first_bwd, e[0].name)):
+        if kind == "recompute":
+            out.append(Recompute(tensors=(c.name,), ops=tuple(ops[i].name for i in c.chain or ()),
+                                 reload_before=ops[c.first_bwd].name))
+    return tuple(out)
