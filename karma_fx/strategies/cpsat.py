@@ -16,7 +16,9 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import Strategy, timeline_of
-from karma_fx.strategies.cpsat_model import MEMORY_UNIT, TIME_SCALE, Candidate, candidates, chain_time, decisions_from
+from karma_fx.strategies.cpsat_capacity import solve_capacity
+from karma_fx.strategies.cpsat_model import (MEMORY_UNIT, TIME_SCALE, Candidate, add_decisions_and_memory, candidates,
+                                            chain_time, decisions_from)
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class SolverOptions:
     seed: int = 0
     max_candidates: int = 4000
     """Above this many candidates the whole-graph model is not built; the best heuristic is returned."""
+    memory_unit_bytes: int = MEMORY_UNIT
+    """Granularity of the memory constraints; candidates smaller than this stay on the device."""
 
 
 @dataclass
@@ -34,14 +38,6 @@ class Solution:
     status: str
     objective_us: float
     bound_us: float
-
-
-def _units_up(b: int) -> int:
-    return -(-b // MEMORY_UNIT)
-
-
-def _units_down(b: int) -> int:
-    return b // MEMORY_UNIT
 
 
 def _t(us: float) -> int:
@@ -55,7 +51,7 @@ class Model:
     """The CP-SAT model over ``cands``; decisions can be hinted, fixed (assumptions) and read back."""
 
     def __init__(self, problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int],
-                 cands: list[Candidate]) -> None:
+                 cands: list[Candidate], unit: int = MEMORY_UNIT) -> None:
         from ortools.sat.python import cp_model
 
         self.problem, self.cands = problem, cands
@@ -68,64 +64,15 @@ class Model:
             self.all_vars.append(v)
             return v
 
-        def bool_var(name: str):
-            v = m.NewBoolVar(name)
-            self.all_vars.append(v)
-            return v
-
         dur = [_t(x) for x in costs.op_time_us]
         d2h = {c.name: _t(costs.copy_time_us(c.size, "d2h")) for c in cands}
         h2d = {c.name: _t(costs.copy_time_us(c.size, "h2d")) for c in cands}
         horizon = sum(dur) + 2 * sum(d2h.values()) + 2 * sum(h2d.values()) \
             + sum(_t(chain_time(costs, c)) for c in cands) + 1
 
-        # ---- decisions ----------------------------------------------------------------------------------
-        self.keep, self.rec, self.off, self.rel, self.pre = {}, {}, {}, {}, {}
-        for c in cands:
-            self.keep[c.name] = bool_var(f"keep_{c.name}")
-            self.off[c.name] = bool_var(f"off_{c.name}")
-            self.rel[c.name] = {r: bool_var(f"rel_{c.name}_{r}") for r in c.releases}
-            self.pre[c.name] = {p: bool_var(f"pre_{c.name}_{p}") for p in c.prefetches}
-            parts = [self.keep[c.name], self.off[c.name]]
-            if c.chain is not None:
-                self.rec[c.name] = bool_var(f"rec_{c.name}")
-                parts.append(self.rec[c.name])
-            m.AddExactlyOne(parts)
-            m.Add(sum(self.rel[c.name].values()) == self.off[c.name])
-            m.Add(sum(self.pre[c.name].values()) == self.off[c.name])
-            m.Add(sum(r * v for r, v in self.rel[c.name].items()) <= sum(p * v for p, v in self.pre[c.name].items()))
-        for c in cands:
-            for t in c.needs_kept if c.name in self.rec else ():
-                m.AddImplication(self.rec[c.name], self.keep[t])
-
-        # ---- memory, exact at every op by incremental sums ----------------------------------------------
-        delta: list[list] = [[] for _ in range(n + 1)]
-        temps: dict[int, list] = {}
-        for c in cands:
-            down = _units_down(c.size)
-            for r, v in self.rel[c.name].items():
-                delta[r].append(-down * v)
-            for p, v in self.pre[c.name].items():
-                delta[p].append(down * v)
-            if c.name in self.rec:
-                x = self.rec[c.name]
-                delta[c.last_fwd + 1].append(-down * x)
-                delta[c.first_bwd].append(down * x)
-                for storage, start, stop in c.extends:
-                    up = _units_up(problem.storage(storage).size_bytes)
-                    delta[start].append(up * x)
-                    delta[stop].append(-up * x)
-                if c.chain_temp_bytes:
-                    temps.setdefault(c.first_bwd, []).append(_units_up(c.chain_temp_bytes) * x)
-        budget_units = _units_down(budget_bytes)
-        base = [_units_up(b) for b in base_bytes]
-        cap = max(base) + sum(_units_up(c.size) for c in cands) + 1
-        previous = 0
-        for i in range(n):
-            mem = int_var(0, cap, f"mem_{i}")
-            m.Add(mem == previous + (base[i] - (base[i - 1] if i else 0)) + sum(delta[i]))
-            m.Add(mem + sum(temps.get(i, ())) <= budget_units)
-            previous = mem
+        dv = self.dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit)
+        self.all_vars.extend(dv.created)
+        self.keep, self.rec, self.off, self.rel, self.pre = dv.keep, dv.rec, dv.off, dv.rel, dv.pre
 
         # ---- time: the compute stream with a wait before every op, FIFO copy streams --------------------
         T = [int_var(0, horizon, f"T_{i}") for i in range(n + 1)]
@@ -170,30 +117,10 @@ class Model:
 
     # ---- decisions in and out -----------------------------------------------------------------------------
     def literals(self, choices: dict[str, Choice]) -> list:
-        """Literals that fix every candidate to ``choices`` (missing candidates: keep)."""
-        out = []
-        for c in self.cands:
-            choice = choices.get(c.name, ("keep",))
-            if choice[0] == "offload":
-                out += [self.off[c.name], self.rel[c.name][choice[1]], self.pre[c.name][choice[2]]]
-            elif choice[0] == "recompute" and c.name in self.rec:
-                out.append(self.rec[c.name])
-            else:
-                out.append(self.keep[c.name])
-        return out
+        return self.dv.literals(self.cands, choices)
 
     def read(self, solver) -> dict[str, Choice]:
-        choices: dict[str, Choice] = {}
-        for c in self.cands:
-            if solver.Value(self.off[c.name]):
-                r = next(r for r, v in self.rel[c.name].items() if solver.Value(v))
-                p = next(p for p, v in self.pre[c.name].items() if solver.Value(v))
-                choices[c.name] = ("offload", r, p)
-            elif c.name in self.rec and solver.Value(self.rec[c.name]):
-                choices[c.name] = ("recompute",)
-            else:
-                choices[c.name] = ("keep",)
-        return choices
+        return self.dv.read(self.cands, solver.Value)
 
     def decisions(self, choices: dict[str, Choice]) -> tuple[Decision, ...]:
         by_name = {c.name: c for c in self.cands}
@@ -284,29 +211,39 @@ class CpSat:
             tl = timeline_of(problem, costs, plan.decisions)
             if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us < best[0]):
                 best = (tl.makespan_us, plan)
-        cands = candidates(problem)
+        cands = candidates(problem, min_bytes=self.options.memory_unit_bytes)
         notes: list[str] = [f"{len(cands)} candidates"]
         if len(cands) > self.options.max_candidates:
             notes.append(f"more than {self.options.max_candidates} candidates: whole-graph model skipped")
             cands = []
         if cands:
-            model = Model(problem, costs, budget_bytes, [b for _, b in keep.memory], cands)
-            starts = [leanest_choices(cands)] + ([choices_from_plan(problem, cands, best[1])] if best else [])
+            base = [b for _, b in keep.memory]
+            opts = self.options
+            # Phase 1: the all-linear capacity model picks the decisions (tight LP bound).
+            phase1 = solve_capacity(problem, costs, budget_bytes, base, cands, time_limit_s=opts.time_limit_s / 2,
+                                    workers=opts.workers, seed=opts.seed, unit=opts.memory_unit_bytes)
+            # Phase 2: the exact FIFO model times them, and polishes from the best start it is given.
+            model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes)
+            starts = [leanest_choices(cands)] + ([phase1[0]] if phase1 else []) \
+                + ([choices_from_plan(problem, cands, best[1])] if best else [])
             hint, hint_time = None, math.inf
             for choices in starts:
-                t, assignment = model.evaluate(choices, self.options)
+                t, assignment = model.evaluate(choices, opts)
                 if t is not None and t < hint_time:
                     hint, hint_time = assignment, t
-            result = model.solve(self.options, hint)
+            result = model.solve(SolverOptions(opts.time_limit_s / 2, opts.workers, opts.seed), hint)
             if result is None:
                 notes.append("solver found no plan in its time limit")
             else:
                 status, choices, objective, bound = result
+                if phase1 is not None:
+                    bound = max(bound, phase1[1])
+                    notes.append(f"capacity model {phase1[2]}, bound {phase1[1] / 1e3:.3f} ms")
                 decisions = model.decisions(choices)
-                predicted, _ = model.evaluate(choices, self.options)
+                predicted, _ = model.evaluate(choices, opts)
                 tl = timeline_of(problem, costs, decisions)
-                notes.append(f"solver {status}: predicted {(predicted or objective) / 1e3:.3f} ms, simulated "
-                             f"{tl.makespan_us / 1e3:.3f} ms, bound {bound / 1e3:.3f} ms")
+                notes.append(f"exact model {status}: predicted {(predicted or objective) / 1e3:.3f} ms, simulated "
+                             f"{tl.makespan_us / 1e3:.3f} ms")
                 if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
                     return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions, status=status,
                                 lower_bound_us=max(bound, keep.makespan_us),

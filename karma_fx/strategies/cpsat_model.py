@@ -102,8 +102,114 @@ def decisions_from(problem: Problem, chosen: dict[str, tuple]) -> tuple[Decision
     for c, r, p in offloads:
         out.append(Offload(tensor=c.name, offload_after=ops[c.producer].name, free_after=ops[c.last_fwd].name,
                            prefetch_at=ops[p].name, reload_before=ops[c.first_bwd].name, release_before=ops[r].name))
-    for c, (kind, _, _) in sorted(chosen.items(), key=lambda e: (e[0].first_bwd, e[0].name)):
+    # Recomputes at the same op run in production order, so a chain finds the tensors it reads rebuilt.
+    for c, (kind, _, _) in sorted(chosen.items(), key=lambda e: (e[0].first_bwd, e[0].producer, e[0].name)):
         if kind == "recompute":
             out.append(Recompute(tensors=(c.name,), ops=tuple(ops[i].name for i in c.chain or ()),
                                  reload_before=ops[c.first_bwd].name))
     return tuple(out)
+
+
+@dataclass
+class DecisionVars:
+    """The decision literals shared by the capacity model and the exact model, with exact memory attached."""
+
+    keep: dict
+    rec: dict
+    off: dict
+    rel: dict
+    pre: dict
+    created: list
+
+    def literals(self, cands: list[Candidate], choices: dict[str, tuple]) -> list:
+        """Literals fixing every candidate to ``choices`` (missing: keep)."""
+        out = []
+        for c in cands:
+            choice = choices.get(c.name, ("keep",))
+            if choice[0] == "offload":
+                out += [self.off[c.name], self.rel[c.name][choice[1]], self.pre[c.name][choice[2]]]
+            elif choice[0] == "recompute" and c.name in self.rec:
+                out.append(self.rec[c.name])
+            else:
+                out.append(self.keep[c.name])
+        return out
+
+    def read(self, cands: list[Candidate], value) -> dict[str, tuple]:
+        """The choices of a solution (``value`` maps a literal to 0/1)."""
+        choices: dict[str, tuple] = {}
+        for c in cands:
+            if value(self.off[c.name]):
+                r = next(r for r, v in self.rel[c.name].items() if value(v))
+                p = next(p for p, v in self.pre[c.name].items() if value(v))
+                choices[c.name] = ("offload", r, p)
+            elif c.name in self.rec and value(self.rec[c.name]):
+                choices[c.name] = ("recompute",)
+            else:
+                choices[c.name] = ("keep",)
+        return choices
+
+
+def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_bytes, budget_bytes: int,
+                             unit: int = MEMORY_UNIT) -> DecisionVars:
+    """Decision literals (keep / offload at (release, prefetch) / recompute) and the memory constraint at
+    every op, by incremental sums in ``unit``-byte units (savings rounded down, usage up: at 1 MiB units a
+    plan at 99.9% of the budget could be rejected, at 64 KiB it is not)."""
+    created: list = []
+
+    def bool_var():
+        v = m.NewBoolVar("")
+        created.append(v)
+        return v
+
+    dv = DecisionVars({}, {}, {}, {}, {}, created)
+    by_name = {c.name: c for c in cands}
+    for c in cands:
+        dv.keep[c.name], dv.off[c.name] = bool_var(), bool_var()
+        dv.rel[c.name] = {r: bool_var() for r in c.releases}
+        dv.pre[c.name] = {p: bool_var() for p in c.prefetches}
+        parts = [dv.keep[c.name], dv.off[c.name]]
+        if c.chain is not None:
+            dv.rec[c.name] = bool_var()
+            parts.append(dv.rec[c.name])
+        m.AddExactlyOne(parts)
+        m.Add(sum(dv.rel[c.name].values()) == dv.off[c.name])
+        m.Add(sum(dv.pre[c.name].values()) == dv.off[c.name])
+        m.Add(sum(r * v for r, v in dv.rel[c.name].items()) <= sum(p * v for p, v in dv.pre[c.name].items()))
+    for c in cands:
+        for name in c.needs_kept if c.name in dv.rec else ():
+            # A chain reads candidate t: t must be on the device at the chain, i.e. kept, or back already
+            # (recomputed or prefetched at its own first backward read, no later than this one).
+            t = by_name[name]
+            back = ([dv.off[name]] + ([dv.rec[name]] if name in dv.rec else [])) if t.first_bwd <= c.first_bwd else []
+            m.Add(dv.rec[c.name] <= dv.keep[name] + sum(back))
+
+    delta: list[list] = [[] for _ in range(len(problem.ops) + 1)]
+    temps: dict[int, list] = {}
+    up = lambda b: -(-b // unit)  # noqa: E731
+    for c in cands:
+        down = c.size // unit
+        for r, v in dv.rel[c.name].items():
+            delta[r].append(-down * v)
+        for p, v in dv.pre[c.name].items():
+            delta[p].append(down * v)
+        if c.name in dv.rec:
+            x = dv.rec[c.name]
+            delta[c.last_fwd + 1].append(-down * x)
+            delta[c.first_bwd].append(down * x)
+            for storage, start, stop in c.extends:
+                size = up(problem.storage(storage).size_bytes)
+                delta[start].append(size * x)
+                delta[stop].append(-size * x)
+            if c.chain_temp_bytes:
+                temps.setdefault(c.first_bwd, []).append(up(c.chain_temp_bytes) * x)
+    base = [up(b) for b in base_bytes]
+    cap = max(base) + sum(up(c.size) for c in cands) + 1
+    budget_units = budget_bytes // unit
+    previous = 0
+    for i in range(len(problem.ops)):
+        mem = m.NewIntVar(0, cap, "")
+        created.append(mem)
+        m.Add(mem == previous + base[i] - (base[i - 1] if i else 0) + sum(delta[i]))
+        m.Add(mem + sum(temps.get(i, ())) <= budget_units)
+        previous = mem
+    return dv

@@ -1,0 +1,64 @@
+"""The exact planner on problems whose optimum is known, and its promise never to lose to a heuristic."""
+from __future__ import annotations
+
+import pytest
+
+from karma_fx.plan import Offload
+from karma_fx.simulate import simulate
+from karma_fx.strategies import CpSat, SolverOptions, make_strategy
+from karma_fx.strategies.cpsat_model import candidates
+
+from conftest import prepared
+from helpers import chain_problem, flat_costs
+
+EXACT = SolverOptions(time_limit_s=10, memory_unit_bytes=1)
+
+
+def test_known_optimum_on_the_chain():
+    """Keep peaks at 3118 bytes. Under 3114 the choices are: recompute A (10 µs more compute), or offload A and
+    prefetch it for b1 (1 µs copies, 1 µs stall): the optimum is the offload, released before `loss`."""
+    p = chain_problem()
+    costs = flat_costs(p, bytes_per_us=1000.0)
+    plan = CpSat(options=EXACT)(p, costs, 3114)
+    assert plan.decisions == (Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1",
+                                      reload_before="b1", release_before="loss"),)
+    assert plan.status == "OPTIMAL"
+    tl = simulate(p, plan, costs)
+    assert tl.makespan_us == pytest.approx(61.0) and tl.peak_bytes <= 3114
+
+
+def test_recompute_wins_when_copies_are_slow():
+    p = chain_problem()
+    costs = flat_costs(p, bytes_per_us=10.0)  # 100 µs per copy: recomputing A (10 µs) is cheaper
+    plan = CpSat(options=EXACT)(p, costs, 3114)
+    tl = simulate(p, plan, costs)
+    assert [type(d).__name__ for d in plan.decisions] == ["Recompute"]
+    assert tl.makespan_us == pytest.approx(70.0)
+
+
+def test_everything_fits_means_nothing_moves():
+    p = chain_problem()
+    plan = CpSat(options=EXACT)(p, flat_costs(p), 10_000)
+    assert plan.decisions == () and plan.status == "OPTIMAL"
+
+
+def test_candidates_respect_the_rules():
+    prep = prepared("gpt2")
+    for c in candidates(prep.problem, min_bytes=1):
+        assert c.releases[0] == c.last_fwd + 1 and max(c.releases) <= c.first_bwd
+        assert max(c.prefetches) == c.first_bwd and min(c.prefetches) >= c.releases[0]
+        if not prep.problem.ops[c.producer].recomputable:
+            assert c.chain is None  # dropout outputs are never recomputed
+        if c.chain is not None:
+            assert all(prep.problem.ops[i].recomputable for i in c.chain)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "cnn", "megatron_gpt"])
+def test_never_worse_than_any_heuristic(name):
+    prep = prepared(name)
+    budget = (prep.min_peak_bytes() + prep.unplanned_peak_bytes) // 2
+    cpsat = prep.plan(budget, "cpsat", raise_if_infeasible=False).plan
+    for h in ("checkpoint", "offload", "torch-budget", "karma"):
+        other = prep.plan(budget, h, raise_if_infeasible=False).plan
+        if other.fits:
+            assert cpsat.fits and cpsat.step_time_us <= other.step_time_us + 1e-6, (h, cpsat.notes)
