@@ -35,3 +35,47 @@ def chain_problem() -> Problem:
 def flat_costs(problem: Problem, op_us: float = 10.0, bytes_per_us: float = 100.0, latency_us: float = 0.0) -> Costs:
     return Costs(op_time_us=tuple(op_us for _ in problem.ops), d2h_bytes_per_us=bytes_per_us,
                  h2d_bytes_per_us=bytes_per_us, copy_latency_us=latency_us, device="test")
+
+
+def random_problem(n_layers: int, sizes: list[int], skips: list[int], times: list[float]) -> Problem:
+    """A layered training step: forward a_i = f_i(a_{i-1}, a_{skip}, w), a loss, and a mirrored backward in
+    which layer i's gradient reads its inputs (saved activations) and the incoming gradient."""
+    ops: list[Op] = []
+    storages: list[Storage] = []
+    users: dict[str, list[int]] = {}
+
+    def add(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], phase: str, flops: int = 1) -> None:
+        for s in inputs:
+            users.setdefault(s, []).append(len(ops))
+        ops.append(Op(name, "f", phase, inputs, outputs, flops=flops))
+
+    prev = "x"
+    for i in range(n_layers):
+        skip = f"a{skips[i]}" if 0 <= skips[i] < i - 1 else None
+        add(f"f{i}", (prev, f"w{i}") + ((skip,) if skip else ()), (f"a{i}",), "fwd")
+        prev = f"a{i}"
+    add("loss", (prev,), ("L",), "fwd")
+    nf = len(ops)
+    grad = "t"
+    for i in reversed(range(n_layers)):
+        fwd_inputs = [s for s in ops[i].inputs if not s.startswith("w")]
+        add(f"g{i}", tuple([grad] + fwd_inputs + [f"a{i}"]), (f"d{i}",), "bwd")
+        add(f"gw{i}", (f"d{i}",) + tuple(fwd_inputs), (f"gw{i}",), "bwd")
+        grad = f"d{i}"
+    producer = {o: k for k, op in enumerate(ops) for o in op.outputs}
+    storages.append(Storage("x", 64, "input", None, tuple(users.get("x", ()))))
+    storages.append(Storage("t", 8, "tangent", None, tuple(users.get("t", ())), arrives_at=nf))
+    for i in range(n_layers):
+        storages.append(Storage(f"w{i}", 32, "param", None, tuple(users.get(f"w{i}", ()))))
+        storages.append(Storage(f"a{i}", sizes[i], "activation", producer[f"a{i}"], tuple(users.get(f"a{i}", ()))))
+        storages.append(Storage(f"d{i}", sizes[i], "temp", producer[f"d{i}"], tuple(users.get(f"d{i}", ()))))
+        storages.append(Storage(f"gw{i}", 32, "gradient", producer[f"gw{i}"], (), is_output=True))
+    storages.append(Storage("L", 8, "activation", producer["L"], (), is_output=True))
+    cuts = tuple(i for i in range(n_layers) if not any(0 <= skips[j] < i for j in range(i + 1, n_layers)))
+    return Problem(ops=tuple(ops), storages=tuple(storages), num_fwd_ops=nf, cut_points=cuts, name="random")
+
+
+def random_costs(problem: Problem, times: list[float], bytes_per_us: float) -> Costs:
+    op_time = tuple(times[k % len(times)] for k in range(len(problem.ops)))
+    return Costs(op_time_us=op_time, d2h_bytes_per_us=bytes_per_us, h2d_bytes_per_us=bytes_per_us,
+                 copy_latency_us=1.0, device="test")
