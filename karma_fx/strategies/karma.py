@@ -86,5 +86,6 @@ class Karma:
                     lo = mid + 1
         k = hi
         kinds = [kind for kind, _ in choices[:k]]
+        kept_random = sum(1 for kind, ds in choices[:k] if kind == "recompute" for d in ds[1:])
         return prefix(k), (f"{len(blocks)} blocks: {kinds.count('swap')} swapped, "
-                           f"{kinds.count('recompute')} recomputed")
+                           f"{kinds.count('recompute')} recomputed (their {kept_random} random-op outputs swapped)")
