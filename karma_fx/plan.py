@@ -82,6 +82,8 @@ class Plan:
     unplanned_peak_bytes: int | None = None
     host_peak_bytes: int | None = None
     lower_bound_us: float | None = None
+    predicted_step_time_us: float | None = None
+    """The solver's own prediction of the step time (exact planners only); the simulator's is ``step_time_us``."""
     notes: tuple[str, ...] = ()
     schedule: tuple[ScheduleRow, ...] = ()
 

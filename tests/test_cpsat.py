@@ -25,6 +25,7 @@ def test_known_optimum_on_the_chain():
     assert plan.status == "OPTIMAL"
     tl = simulate(p, plan, costs)
     assert tl.makespan_us == pytest.approx(61.0) and tl.peak_bytes <= 3114
+    assert plan.predicted_step_time_us == pytest.approx(tl.makespan_us, rel=0.01)  # solver and simulator agree
 
 
 def test_recompute_wins_when_copies_are_slow():

@@ -70,6 +70,8 @@ def test_cpsat_fits_and_is_never_worse_than_a_heuristic(step):
     plan = CpSat(heuristics, SolverOptions(time_limit_s=2, memory_unit_bytes=1))(problem, costs, budget)
     tl = simulate(problem, plan, costs)
     assert tl.peak_bytes <= budget, plan.notes
+    if plan.predicted_step_time_us is not None:  # the solver's own plan: its time model is the simulator's
+        assert plan.predicted_step_time_us == pytest.approx(tl.makespan_us, rel=0.01)
     for h in heuristics:
         other = simulate(problem, h(problem, costs, budget), costs)
         if other.peak_bytes <= budget:

@@ -247,7 +247,7 @@ class CpSat:
                 if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
                     return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions, status=status,
                                 lower_bound_us=max(bound, keep.makespan_us),
-                                notes=tuple(notes) + (f"predicted_us={predicted or objective:.3f}",))
+                                predicted_step_time_us=round(predicted or objective, 3), notes=tuple(notes))
         if best is None:
             return Plan(strategy=self.name, budget_bytes=budget_bytes, status="INFEASIBLE", notes=tuple(notes))
         return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1].decisions,
