@@ -27,3 +27,10 @@ def test_compare_smoke(capsys, tmp_path):
     results = json.loads(out_json.read_text())
     assert [r["model"] for r in results] == ["cnn", "gpt2"]
     assert all(len(r["cells"]) == 6 for r in results)
+
+
+def test_solver_scaling_smoke(capsys):
+    scaling = load("solver_scaling")
+    assert scaling.main(["--size", "tiny", "--models", "gpt2:2,cnn", "--budget", "0.95"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2:2" in out and "cnn" in out and "capture s" in out

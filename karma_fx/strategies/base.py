@@ -6,13 +6,16 @@ and a status, and leaves the simulated figures to ``karma_fx.simulate`` so all s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Iterable, Protocol, Sequence, TypeVar, runtime_checkable
 
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload, Plan, Recompute
 from karma_fx.problem import Problem, Storage
 from karma_fx.passes.liveness import dependency_graph, recompute_ops
 from karma_fx.simulate import Timeline, simulate
+
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -119,6 +122,24 @@ def blocks_from_cuts(problem: Problem, count: int) -> list[tuple[int, int]]:
     if start <= n - 1:
         blocks.append((start, n - 1))
     return blocks
+
+
+def pick_best(problem: Problem, costs: Costs, budget_bytes: int,
+              options: Iterable[tuple[Sequence[Decision], T]]) -> tuple[tuple[Decision, ...], T]:
+    """The option that fits the budget fastest, or, if none fits, the one with the lowest peak (ties: first).
+
+    Each option is (decisions, label); every one is judged by the simulator.
+    """
+    best: tuple[tuple[int, float], tuple[Decision, ...], T] | None = None
+    for decisions, label in options:
+        tl = simulate(problem, tuple(decisions), costs)
+        fits = tl.peak_bytes <= budget_bytes
+        key = (0 if fits else 1, tl.makespan_us if fits else float(tl.peak_bytes))
+        if best is None or key < best[0]:
+            best = (key, tuple(decisions), label)
+    if best is None:
+        raise ValueError("pick_best needs at least one option")
+    return best[1], best[2]
 
 
 def timeline_of(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] | list[Decision]) -> Timeline:

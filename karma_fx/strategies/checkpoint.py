@@ -12,7 +12,7 @@ import math
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import RecomputeBuilder, blocks_from_cuts, saved_gaps, timeline_of
+from karma_fx.strategies.base import RecomputeBuilder, blocks_from_cuts, pick_best, saved_gaps
 
 
 def checkpoint_decisions(problem: Problem, blocks: list[tuple[int, int]], builder: RecomputeBuilder) -> list[Decision]:
@@ -35,14 +35,8 @@ class Checkpoint:
         builder = RecomputeBuilder(problem)
         n = max(1, len(problem.cut_points))
         counts = sorted({max(1, round(math.sqrt(n))), 1, 2, 4, 8, 16, 32, 64} & set(range(1, n + 1)))
-        best: tuple[tuple[int, float, int], list[Decision], int] | None = None
-        for count in counts:
-            decisions = checkpoint_decisions(problem, blocks_from_cuts(problem, count), builder)
-            tl = timeline_of(problem, costs, decisions)
-            fits = tl.peak_bytes <= budget_bytes
-            key = (0 if fits else 1, tl.makespan_us if fits else tl.peak_bytes, count)
-            if best is None or key < best[0]:
-                best = (key, decisions, count)
-        assert best is not None
-        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=tuple(best[1]),
-                    notes=(f"{best[2]} recompute blocks",))
+        options = ((checkpoint_decisions(problem, blocks_from_cuts(problem, count), builder), count)
+                   for count in counts)
+        decisions, count = pick_best(problem, costs, budget_bytes, options)
+        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
+                    notes=(f"{count} recompute blocks",))

@@ -11,8 +11,8 @@ from __future__ import annotations
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import (Gap, RecomputeBuilder, blocks_from_cuts, offload_for, reconcile, saved_gaps,
-                                     timeline_of)
+from karma_fx.strategies.base import (Gap, RecomputeBuilder, blocks_from_cuts, offload_for, pick_best, reconcile,
+                                     saved_gaps, timeline_of)
 
 _BLOCK_COUNTS = (4, 8, 12, 16, 24, 32, 48)
 
@@ -23,17 +23,11 @@ class Karma:
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         builder = RecomputeBuilder(problem)
         gaps = saved_gaps(problem)
-        best: tuple[tuple, tuple[Decision, ...], str] | None = None
         n_cuts = max(1, len(problem.cut_points))
-        for count in sorted({min(c, n_cuts) for c in _BLOCK_COUNTS}):
-            decisions, note = self._plan_for(problem, costs, budget_bytes, blocks_from_cuts(problem, count), gaps, builder)
-            tl = timeline_of(problem, costs, decisions)
-            fits = tl.peak_bytes <= budget_bytes
-            key = (0 if fits else 1, tl.makespan_us if fits else tl.peak_bytes, count)
-            if best is None or key < best[0]:
-                best = (key, decisions, note)
-        assert best is not None
-        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1], notes=(best[2],))
+        options = (self._plan_for(problem, costs, budget_bytes, blocks_from_cuts(problem, count), gaps, builder)
+                   for count in sorted({min(c, n_cuts) for c in _BLOCK_COUNTS}))
+        decisions, note = pick_best(problem, costs, budget_bytes, options)
+        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions, notes=(note,))
 
     def _plan_for(self, problem: Problem, costs: Costs, budget_bytes: int, blocks: list[tuple[int, int]],
                   gaps: list[Gap], builder: RecomputeBuilder) -> tuple[tuple[Decision, ...], str]:

@@ -12,7 +12,7 @@ from typing import Callable
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import Gap, RecomputeBuilder, saved_gaps, timeline_of
+from karma_fx.strategies.base import Gap, RecomputeBuilder, pick_best, saved_gaps
 
 SavedSetFn = Callable[[float], frozenset[str]]
 GRID = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
@@ -48,16 +48,7 @@ class TorchBudget:
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         builder = RecomputeBuilder(problem)
-        best: tuple[tuple, list[Decision], float] | None = None
-        for fraction in self.grid:
-            decisions = decisions_for_saved(problem, self.saved_set(fraction), builder)
-            tl = timeline_of(problem, costs, decisions)
-            fits = tl.peak_bytes <= budget_bytes
-            key = (0 if fits else 1, tl.makespan_us if fits else tl.peak_bytes, -fraction)
-            if best is None or key < best[0]:
-                best = (key, decisions, fraction)
-            if fits and fraction == self.grid[0]:
-                break
-        assert best is not None
-        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=tuple(best[1]),
-                    notes=(f"activation_memory_budget={best[2]}",))
+        options = ((decisions_for_saved(problem, self.saved_set(f), builder), f) for f in self.grid)
+        decisions, fraction = pick_best(problem, costs, budget_bytes, options)
+        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
+                    notes=(f"activation_memory_budget={fraction}",))

@@ -128,24 +128,21 @@ class PreActBottleneck(nn.Module):
         return out + identity
 
 
-class PreActResNetCifar(nn.Module):
-    """CIFAR pre-activation bottleneck ResNet: depth = 9n + 2, three stages of n blocks with bottleneck
-    widths base, 2x, 4x (outputs 4x that), a final BN-ReLU, global pool and Linear."""
+class _CifarStages(nn.Module):
+    """The CIFAR network shape shared by the pre-activation ResNet and the Wide ResNet: a 3x3 stem, three
+    stages of ``n`` blocks (the first block of stages 2 and 3 strides by 2), a final BN-ReLU, global average
+    pooling and a Linear head. ``make_block(cin, stage, stride) -> (block, cout)`` builds one block."""
 
-    def __init__(self, depth: int, base: int = 16, classes: int = 10) -> None:
+    def __init__(self, stem: int, n: int, classes: int, make_block) -> None:
         super().__init__()
-        if (depth - 2) % 9 or depth < 11:
-            raise ZooError(f"pre-activation bottleneck ResNet depth must be 9n+2 with n >= 1, got {depth}")
-        n = (depth - 2) // 9
-        self.conv = _conv3(3, base)
+        self.conv = _conv3(3, stem)
         stages: list[nn.Module] = []
-        cin = base
+        cin = stem
         for i in range(3):
-            planes = base * 2**i
             stage: list[nn.Module] = []
             for b in range(n):
-                stage.append(PreActBottleneck(cin, planes, stride=2 if (b == 0 and i > 0) else 1))
-                cin = planes * PreActBottleneck.expansion
+                block, cin = make_block(cin, i, 2 if (b == 0 and i > 0) else 1)
+                stage.append(block)
             stages.append(nn.Sequential(*stage))
         self.stages = nn.Sequential(*stages)
         self.bn = nn.BatchNorm2d(cin)
@@ -157,6 +154,21 @@ class PreActResNetCifar(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn(self.stages(self.conv(x))))
         return self.fc(self.pool(out).flatten(1))
+
+
+class PreActResNetCifar(_CifarStages):
+    """CIFAR pre-activation bottleneck ResNet: depth = 9n + 2, three stages of n blocks with bottleneck
+    widths base, 2x, 4x (outputs 4x that), a final BN-ReLU, global pool and Linear."""
+
+    def __init__(self, depth: int, base: int = 16, classes: int = 10) -> None:
+        if (depth - 2) % 9 or depth < 11:
+            raise ZooError(f"pre-activation bottleneck ResNet depth must be 9n+2 with n >= 1, got {depth}")
+
+        def block(cin: int, stage: int, stride: int) -> tuple[nn.Module, int]:
+            planes = base * 2**stage
+            return PreActBottleneck(cin, planes, stride=stride), planes * PreActBottleneck.expansion
+
+        super().__init__(base, (depth - 2) // 9, classes, block)
 
 
 def build_resnet1001(req: Request) -> tuple[nn.Module, tuple, dict]:
@@ -191,34 +203,18 @@ class WideBasicBlock(nn.Module):
         return out + identity
 
 
-class WideResNet(nn.Module):
+class WideResNet(_CifarStages):
     """WRN-d-k for CIFAR: depth = 6n + 4, three stages of n blocks with widths 16k, 32k, 64k."""
 
     def __init__(self, depth: int, widen: int, dropout: float = 0.0, classes: int = 10) -> None:
-        super().__init__()
         if (depth - 4) % 6 or depth < 10:
             raise ZooError(f"Wide ResNet depth must be 6n+4 with n >= 1, got {depth}")
-        n = (depth - 4) // 6
-        widths = (16, 16 * widen, 32 * widen, 64 * widen)
-        self.conv = _conv3(3, widths[0])
-        stages: list[nn.Module] = []
-        cin = widths[0]
-        for i in range(3):
-            stage: list[nn.Module] = []
-            for b in range(n):
-                stage.append(WideBasicBlock(cin, widths[i + 1], 2 if (b == 0 and i > 0) else 1, dropout))
-                cin = widths[i + 1]
-            stages.append(nn.Sequential(*stage))
-        self.stages = nn.Sequential(*stages)
-        self.bn = nn.BatchNorm2d(cin)
-        self.relu = nn.ReLU(inplace=True)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(cin, classes)
-        _init(self)
+        widths = (16 * widen, 32 * widen, 64 * widen)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn(self.stages(self.conv(x))))
-        return self.fc(self.pool(out).flatten(1))
+        def block(cin: int, stage: int, stride: int) -> tuple[nn.Module, int]:
+            return WideBasicBlock(cin, widths[stage], stride, dropout), widths[stage]
+
+        super().__init__(16, (depth - 4) // 6, classes, block)
 
 
 def build_wrn28_10(req: Request) -> tuple[nn.Module, tuple, dict]:
