@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator
+from typing import Any, Container, Iterator
 
 import networkx as nx
 import torch
@@ -251,7 +251,7 @@ def dependency_graph(problem: Problem) -> nx.DiGraph:
     return g
 
 
-def recompute_ops(problem: Problem, targets: list[str] | tuple[str, ...], resident: set[str],
+def recompute_ops(problem: Problem, targets: list[str] | tuple[str, ...], resident: Container[str],
                   graph: nx.DiGraph | None = None) -> tuple[int, ...]:
     """The ops to re-run, in execution order, to rebuild ``targets`` from the ``resident`` storages.
 

@@ -77,19 +77,32 @@ class RecomputeBuilder:
         """
         problem = self.problem
         reload = min(g.first_bwd_use for g in dropped)
-        # Resident at the reload point: what the unplanned step still holds there, minus what was dropped.
-        # (A forward-only temporary such as the pre-softmax scores is gone by then and must be rebuilt
-        # too; reading it would silently stretch its life across the whole step.)
-        # Outputs of random or mutating ops cannot be rebuilt: a chain that needs one keeps it alive.
-        resident = {s.name for s in problem.storages
-                    if _alive_at(s, reload) or (s.producer is not None and not problem.ops[s.producer].recomputable)}
-        resident -= dropped_names
+        resident = ResidentAt(problem, reload, excluding=dropped_names)
         targets = [g.storage.name for g in dropped]
         chain = recompute_ops(problem, targets, resident, self.graph)
         made = {s for i in chain for s in problem.ops[i].outputs}
         tensors = tuple(sorted(made & dropped_names, key=lambda n: (problem.storage(n).producer or 0, n)))
         return Recompute(tensors=tensors, ops=tuple(problem.ops[i].name for i in chain),
                          reload_before=problem.ops[reload].name)
+
+
+class ResidentAt:
+    """The storages a recompute chain before ``op`` may read, as a lazy set (``name in resident``).
+
+    Resident: what the unplanned step still holds at ``op`` (a forward-only temporary such as the pre-softmax
+    scores is gone by then and must be rebuilt too; reading it would stretch its life across the step), plus
+    outputs of random or mutating ops, which cannot be rebuilt (a chain that needs one keeps it alive);
+    minus ``excluding`` (what the plan drops). Lazy, because a strategy asks this for thousands of reloads.
+    """
+
+    def __init__(self, problem: Problem, op: int, excluding: set[str] | frozenset[str] = frozenset()) -> None:
+        self.problem, self.op, self.excluding = problem, op, excluding
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.excluding or not isinstance(name, str):
+            return False
+        s = self.problem.storage(name)
+        return _alive_at(s, self.op) or (s.producer is not None and not self.problem.ops[s.producer].recomputable)
 
 
 def _alive_at(s: Storage, op: int) -> bool:

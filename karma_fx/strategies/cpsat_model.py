@@ -21,7 +21,7 @@ from karma_fx.costs import Costs
 from karma_fx.passes.liveness import dependency_graph, recompute_ops
 from karma_fx.plan import Decision, Offload, Recompute
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import _alive_at, saved_gaps
+from karma_fx.strategies.base import ResidentAt, _alive_at, saved_gaps
 
 MEMORY_UNIT = 64 * 1024
 TIME_SCALE = 10  # model time unit: 0.1 µs
@@ -67,9 +67,7 @@ def candidates(problem: Problem, min_bytes: int = MEMORY_UNIT, choices: int = 3,
 
 def _attach_chain(problem: Problem, cand: Candidate, names: set[str], graph, max_chain: int) -> None:
     b = cand.first_bwd
-    resident = {s.name for s in problem.storages
-                if _alive_at(s, b) or (s.producer is not None and not problem.ops[s.producer].recomputable)}
-    resident.discard(cand.name)
+    resident = ResidentAt(problem, b, excluding={cand.name})
     try:
         chain = recompute_ops(problem, [cand.name], resident, graph)
     except ValueError:
