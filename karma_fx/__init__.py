@@ -29,6 +29,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 from karma_fx.api import Planned, Prepared, plan, prepare  # noqa: E402
+from karma_fx.compiler import KarmaModule, compile  # noqa: E402
 from karma_fx.device import DeviceSpec, get_device  # noqa: E402
 
-__all__ += ["DeviceSpec", "Planned", "Prepared", "get_device", "plan", "prepare"]
+__all__ += ["DeviceSpec", "KarmaModule", "Planned", "Prepared", "compile", "get_device", "plan", "prepare"]

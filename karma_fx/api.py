@@ -21,7 +21,7 @@ from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline, simulate
 from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
-from karma_fx.strategies.base import offload_for, saved_gaps
+from karma_fx.strategies.base import leanest_peak
 
 
 @dataclass
@@ -56,8 +56,7 @@ class Prepared:
         """The lowest peak any plan here reaches: every saved activation swapped out synchronously right after
         its last forward read and fetched back just in time."""
         if self._min_peak is None:
-            decisions = [offload_for(self.problem, g, release=True) for g in saved_gaps(self.problem)]
-            self._min_peak = min(simulate(self.problem, decisions, self.costs).peak_bytes, self.keep.peak_bytes)
+            self._min_peak = leanest_peak(self.problem, self.costs)
         return self._min_peak
 
     def strategy(self, strategy: str | Strategy | None) -> Strategy:
@@ -90,9 +89,9 @@ class Prepared:
             floor = self.min_peak_bytes()
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit {self.problem.name} in {format_bytes(budget_bytes)}: its "
-                f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget any plan reaches is "
-                f"{format_bytes(floor)} ({floor} bytes; offload every saved activation); the unplanned peak is "
-                f"{format_bytes(self.unplanned_peak_bytes)}.",
+                f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget known to work is "
+                f"{format_bytes(floor)} ({floor} bytes: every saved activation swapped out and back just in time, "
+                f"which strategy='cpsat' can reach); the unplanned peak is {format_bytes(self.unplanned_peak_bytes)}.",
                 min_budget_bytes=floor, budget_bytes=budget_bytes)
         return Planned(plan=plan, problem=self.problem, costs=self.costs, timeline=timeline, step=self.step,
                        seconds={**self.seconds, "strategy": solve_s})

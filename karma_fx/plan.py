@@ -140,6 +140,8 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         from karma_fx.errors import PlanFormatError
 
+        if not isinstance(data, dict):
+            raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanFormatError(f"plan schema_version {version!r} is not {SCHEMA_VERSION}; re-plan the model")
@@ -155,9 +157,11 @@ class Plan:
                 for r in kwargs.get("schedule", ())
             )
             kwargs["notes"] = tuple(kwargs.get("notes", ()))
-            return cls(**kwargs)
-        except (TypeError, KeyError) as exc:
+            plan = cls(**kwargs)
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise PlanFormatError(f"malformed plan: {exc}") from exc
+        _check_types(plan)
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -179,11 +183,29 @@ def _decision_to_dict(d: Decision) -> dict[str, Any]:
     return {"kind": type(d).__name__.lower(), **body}
 
 
+def _check_types(plan: Plan) -> None:
+    """Reject a plan whose fields have the wrong types (hand-edited JSON), naming the field."""
+    from karma_fx.errors import PlanFormatError
+
+    if not isinstance(plan.strategy, str) or not isinstance(plan.budget_bytes, int) or isinstance(plan.budget_bytes, bool):
+        raise PlanFormatError("malformed plan: strategy must be a string and budget_bytes an integer")
+    for d in plan.decisions:
+        names = (d.tensors + d.ops + (d.reload_before,)) if isinstance(d, Recompute) else tuple(
+            getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "release_before") + (
+            (d.release_before,) if d.release_before is not None else ())
+        if not all(isinstance(n, str) for n in names):
+            raise PlanFormatError(f"malformed plan: decision {d} must name tensors and ops with strings")
+
+
 def _decision_from_dict(data: dict[str, Any]) -> Decision:
+    if not isinstance(data, dict):
+        raise TypeError(f"a decision is a JSON object, got {data!r}")
     data = dict(data)
     kind = data.pop("kind")
     if kind == "offload":
         return Offload(**data)
     if kind == "recompute":
+        if not isinstance(data["tensors"], list) or not isinstance(data["ops"], list):
+            raise TypeError("recompute tensors and ops must be lists")
         return Recompute(tensors=tuple(data["tensors"]), ops=tuple(data["ops"]), reload_before=data["reload_before"])
     raise KeyError(f"decision kind {kind!r}")

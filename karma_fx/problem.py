@@ -102,11 +102,13 @@ class Problem:
         return op_index >= self.num_fwd_ops
 
     def saved_activations(self) -> tuple[Storage, ...]:
-        """Storages made in the forward pass and read in the backward: the candidates to offload or recompute."""
+        """Storages made in the forward pass and read in the backward: the candidates to offload or recompute
+        (not the step's outputs, which the caller holds anyway)."""
         return tuple(
             s
             for s in self.storages
             if s.kind == "activation"
+            and not s.is_output
             and s.producer is not None
             and s.producer < self.num_fwd_ops
             and s.users

@@ -44,7 +44,8 @@ class HostPool:
         self.misses = 0
 
     def take(self, like: torch.Tensor, pinned: bool) -> torch.Tensor:
-        """An uninitialised host tensor with ``like``'s shape and dtype (contiguous)."""
+        """An uninitialised host tensor with ``like``'s shape, dtype and strides (when dense), so views that
+        the backward takes of the tensor work on its copy too."""
         nbytes = like.numel() * like.element_size()
         key = (nbytes, pinned)
         with self._lock:
@@ -58,7 +59,7 @@ class HostPool:
             storage = torch.UntypedStorage(nbytes, device="cpu")
             if pinned:
                 storage = storage.pin_memory()
-        out = torch.empty(0, dtype=like.dtype, device="cpu").set_(storage, 0, like.shape)  # contiguous
+        out = torch.empty(0, dtype=like.dtype, device="cpu").set_(storage, 0, like.shape, dense_strides(like))
         weakref.finalize(out, self._give_back, key, storage)
         return out
 
@@ -70,6 +71,22 @@ class HostPool:
         with self._lock:
             self._free.clear()
             self.allocated_bytes = 0
+
+
+def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides if its elements fill a dense block (any dimension order), else contiguous strides."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda e: e[1]):
+        if stride != expected:
+            break
+        expected *= size
+    else:
+        return tuple(t.stride())
+    contiguous, running = [], 1
+    for size in reversed(t.shape):
+        contiguous.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(contiguous))
 
 
 host_pool = HostPool()
@@ -115,7 +132,7 @@ def offload(x: torch.Tensor) -> torch.Tensor:
 
 @offload.register_fake
 def _offload_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+    return torch.empty_strided(x.shape, dense_strides(x), dtype=x.dtype, device="cpu")
 
 
 @torch.library.custom_op("karma::prefetch", mutates_args=())
@@ -125,7 +142,7 @@ def prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         compute = torch.cuda.current_stream(device)
         h2d = _side_stream(device, "h2d")
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)  # owned by the compute stream
+        out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)  # compute stream's
         h2d.wait_stream(compute)
         landed = _copy_done.get(host)
         if landed is not None:
@@ -137,12 +154,13 @@ def prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
             done.record(h2d)
         _copy_done[out] = done
         return out
-    return host.to(device, copy=True)
+    out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    return out.copy_(host)
 
 
 @prefetch.register_fake
 def _prefetch_fake(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty(host.shape, dtype=host.dtype, device=device)
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
 _lib = torch.library.Library("karma", "FRAGMENT")

@@ -103,6 +103,18 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         for t in (d.tensors if isinstance(d, Recompute) else (d.tensor,)):
             if not problem.has_storage(t):
                 raise InvalidPlanError(f"plan names tensor {t!r}, which is not a storage of {problem.name}")
+        if isinstance(d, Offload) and problem.storage(d.tensor).is_output:
+            raise InvalidPlanError(f"{d.tensor} is returned by the step: its device copy cannot be dropped")
+        if isinstance(d, Recompute):
+            if not d.ops or not d.tensors:
+                raise InvalidPlanError(f"a recompute before {d.reload_before} must name its tensors and ops")
+            made = {s for name in d.ops for s in ops[op_at(name, "recompute op")].outputs}
+            for t in d.tensors:
+                st = problem.storage(t)
+                if t not in made or st.producer is None or st.lives_to_end:
+                    raise InvalidPlanError(f"{t} cannot be dropped and rebuilt by recomputing {list(d.ops)}: "
+                                           + ("it is an input or output of the step" if st.producer is None
+                                              or st.lives_to_end else "none of those ops makes it"))
 
     # ---- 1. the compute sequence: recompute chains just before the op they serve --------------------
     chains_before: dict[int, list[Recompute]] = defaultdict(list)
@@ -145,7 +157,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
                 raise InvalidPlanError(f"{d.tensor}: need free_after < release_before ≤ prefetch_at, got "
                                        f"{d.free_after}, {d.release_before}, {d.prefetch_at}")
             release_before_item[first_item[i_rel]].append(d)
-        gaps[d.tensor].append((op_item[i_free], first_item[i_pf], d))
+        gaps[d.tensor].append((op_item[i_free], first_item[i_rl], d))
         prefetch_item[first_item[i_pf]].append(d)
         offload_after_op[i_off].append(d)
         wait_before_item[first_item[i_rl]].append(d)
@@ -154,7 +166,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
     for sname, gs in gaps.items():
         gs.sort(key=lambda g: g[0])
         for a, b in zip(gs, gs[1:]):
-            if b[0] < a[1]:
+            if b[0] < a[1]:  # the next gap may only start once the tensor is back and waited for
                 raise InvalidPlanError(f"{sname} has overlapping off-device gaps")
         for free_item, _, d in gs:
             free_after_item[free_item].append(d)  # type: ignore[arg-type]
@@ -186,7 +198,8 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         for k in range(first_item[i], op_item[i] + 1):
             group_of[k] = i
     made: dict[str, int] = {}
-    waited_from: dict[int, tuple[int, Offload]] = {}  # prefetched instance → (item of its wait, decision)
+    waited_from: dict[int, tuple[int, Offload]] = {}
+    prefetched_instance: dict[int, int] = {}  # id(offload) → the instance its prefetch writes  # prefetched instance → (item of its wait, decision)
     for k, item in enumerate(items):
         for name in arrivals.get(k, ()):
             current[name] = new_instance(name, k)
@@ -203,6 +216,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
             if current.get(d.tensor) is not None:
                 raise InvalidPlanError(f"{d.tensor} is prefetched at {d.prefetch_at} while still on the device")
             current[d.tensor] = new_instance(d.tensor, k)
+            prefetched_instance[id(d)] = current[d.tensor]
             waited_from[current[d.tensor]] = (first_item[op_at(d.reload_before, "reload_before")], d)
         op = ops[item.op]
         for sname in op.inputs:
@@ -267,6 +281,8 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
             begin = max(t, h2d_free, d2h_end.get(id(d), 0.0))  # the host copy must have landed
             h2d_free = begin + costs.copy_time_us(size, "h2d")
             h2d_end[id(d)] = h2d_free
+            target = instances[prefetched_instance[id(d)]]  # written until the copy lands
+            target.copy_end_us = max(target.copy_end_us, h2d_free)
             h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
             host_events.append((h2d_free, -size))
         ready = max([h2d_end[id(d)] for d in wait_before_item.get(k, ())]

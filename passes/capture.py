@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from karma_fx.errors import UnsupportedModelError
+from karma_fx.errors import KarmaError, UnsupportedModelError
 
 PrimalKind = Literal["param", "buffer", "input"]
 
@@ -227,7 +227,7 @@ def _friendly_errors(what: str):
     """Turn tracing failures (data-dependent ops, dynamic shapes, unsupported ops) into UnsupportedModelError."""
     try:
         yield
-    except UnsupportedModelError:
+    except KarmaError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one actionable error
         name = type(exc).__name__

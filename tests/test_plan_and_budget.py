@@ -42,6 +42,12 @@ def test_wrong_schema_or_garbage_is_a_clear_error():
     data["decisions"] = [{"kind": "teleport", "tensor": "A"}]
     with pytest.raises(PlanFormatError):
         Plan.from_dict(data)
+    for bad in ("[1, 2]", '{"schema_version": 1, "strategy": "x", "budget_bytes": 1, "decisions": ["offload"]}',
+                '{"schema_version": 1, "strategy": "x", "budget_bytes": "big"}',
+                '{"schema_version": 1, "strategy": "x", "budget_bytes": 1, "decisions": '
+                '[{"kind": "recompute", "tensors": "ab", "ops": ["f"], "reload_before": "g"}]}'):
+        with pytest.raises(PlanFormatError):
+            Plan.from_json(bad)
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -25,9 +25,10 @@ def test_offload_prefetch_wait_round_trip():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
 def test_values_survive_any_dtype_and_layout(dtype):
-    x = (torch.randn(4, 6) * 10).to(dtype).t()  # non-contiguous
+    x = (torch.randn(4, 6) * 10).to(dtype).t()  # non-contiguous: strides survive, so views of it still work
     back = torch.ops.karma.prefetch(torch.ops.karma.offload(x), x.device)
-    assert back.dtype == dtype and torch.equal(back, x)
+    assert back.dtype == dtype and torch.equal(back, x) and back.stride() == x.stride()
+    assert torch.equal(back.view(-1) if back.is_contiguous() else back.t().view(-1), x.t().reshape(-1))
 
 
 def test_fake_kernels_trace():

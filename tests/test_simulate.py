@@ -83,6 +83,14 @@ def test_recompute():
     ([Recompute(("A",), ("f0",), "b2"), Offload("A", "f0", "f1", "b1", "b1")], "still on the device"),
     # Rebuilding B needs A, which is on the host from f1 until b1.
     ([Recompute(("B",), ("f1",), "b2"), Offload("A", "f0", "f1", "b1", "b1")], "read by recomputing f1"),
+    # Dropping what the step returns or holds, or what the chain does not make, is never a valid saving.
+    ([Recompute(("L",), ("f0",), "b2")], "input or output of the step"),
+    ([Recompute(("w",), ("loss",), "gw")], "input or output of the step"),
+    ([Recompute(("A",), ("f1",), "b1")], "none of those ops makes it"),
+    ([Recompute(("A",), (), "b1")], "must name"),
+    ([Offload("L", "loss", "loss", "gw", "gw")], "returned by the step"),
+    # A second gap must not start before the first one's copy is back and waited for.
+    ([Offload("A", "f0", "f1", "b2", "b1"), Offload("A", "f1", "f1", "b1", "b1")], "overlapping"),
 ])
 def test_invalid_plans_are_rejected_with_a_reason(plan, message):
     p = chain_problem()

@@ -51,8 +51,10 @@ def test_plans_are_valid_and_judged_by_the_simulator(name, strategy):
 @pytest.mark.parametrize("name", MODELS)
 def test_karma_fits_a_midway_budget_and_moves_nothing_when_everything_fits(name):
     prep = prepared(name)
-    unlimited = prep.plan(1.0, "karma").plan
-    assert unlimited.decisions == () and unlimited.step_time_us == pytest.approx(unlimited.unlimited_step_time_us, abs=1e-3)
+    for strategy in ("karma", "checkpoint", "torch-budget", "cpsat"):  # an unlimited budget moves nothing
+        unlimited = prep.plan(1.0, strategy).plan
+        assert unlimited.decisions == (), strategy
+        assert unlimited.step_time_us == pytest.approx(unlimited.unlimited_step_time_us, abs=1e-3)
     if prep.min_peak_bytes() < prep.unplanned_peak_bytes:
         try:
             plan = prep.plan(midway(prep), "karma").plan

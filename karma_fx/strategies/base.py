@@ -139,15 +139,15 @@ def blocks_from_cuts(problem: Problem, count: int) -> list[tuple[int, int]]:
 
 def pick_best(problem: Problem, costs: Costs, budget_bytes: int,
               options: Iterable[tuple[Sequence[Decision], T]]) -> tuple[tuple[Decision, ...], T]:
-    """The option that fits the budget fastest, or, if none fits, the one with the lowest peak (ties: first).
+    """The option that fits the budget fastest, or, if none fits, the one with the lowest peak (then fastest).
 
     Each option is (decisions, label); every one is judged by the simulator.
     """
-    best: tuple[tuple[int, float], tuple[Decision, ...], T] | None = None
+    best: tuple[tuple[int, float, float], tuple[Decision, ...], T] | None = None
     for decisions, label in options:
         tl = simulate(problem, tuple(decisions), costs)
         fits = tl.peak_bytes <= budget_bytes
-        key = (0 if fits else 1, tl.makespan_us if fits else float(tl.peak_bytes))
+        key = (0, tl.makespan_us, 0.0) if fits else (1, float(tl.peak_bytes), tl.makespan_us)
         if best is None or key < best[0]:
             best = (key, tuple(decisions), label)
     if best is None:
@@ -186,3 +186,10 @@ def reconcile(problem: Problem, decisions: tuple[Decision, ...] | list[Decision]
                         release_before=release)
         out.append(d)
     return tuple(out)
+
+
+def leanest_peak(problem: Problem, costs: Costs) -> int:
+    """The peak of the leanest activation plan: every saved activation swapped out synchronously right after
+    its last forward read and fetched back just in time. The floor quoted when a budget is infeasible."""
+    decisions = [offload_for(problem, g, release=True) for g in saved_gaps(problem)]
+    return min(simulate(problem, decisions, costs).peak_bytes, simulate(problem, (), costs).peak_bytes)

@@ -3,10 +3,12 @@
 The forward is split at cut points into blocks; each block keeps only its input and recomputes everything else
 it saved from that input, once, just before its backward starts. Outputs of random ops (dropout masks) are
 kept: they cannot be recomputed. The block count is the one knob: Chen's √n rule is tried together with a few
-others, and the fastest plan that fits the budget wins (or the lowest peak when none fits).
+others, and the fastest plan that fits the budget wins (or the lowest peak when none fits); when the step
+fits as it is, nothing is recomputed.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 from karma_fx.costs import Costs
@@ -35,8 +37,8 @@ class Checkpoint:
         builder = RecomputeBuilder(problem)
         n = max(1, len(problem.cut_points))
         counts = sorted({max(1, round(math.sqrt(n))), 1, 2, 4, 8, 16, 32, 64} & set(range(1, n + 1)))
-        options = ((checkpoint_decisions(problem, blocks_from_cuts(problem, count), builder), count)
-                   for count in counts)
+        options = itertools.chain([((), 0)], ((checkpoint_decisions(problem, blocks_from_cuts(problem, count), builder),
+                                               count) for count in counts))
         decisions, count = pick_best(problem, costs, budget_bytes, options)
         return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
-                    notes=(f"{count} recompute blocks",))
+                    notes=(f"{count} recompute blocks" if count else "everything fits: nothing recomputed",))

@@ -69,9 +69,11 @@ class Karma:
         # Evict blocks front to back until the step fits: the smallest fitting prefix, by bisection (the peak
         # falls as more blocks leave; the simulator has the last word on each probe).
         lo, hi = 0, len(choices)
-        if timeline_of(problem, costs, prefix(0)).peak_bytes <= budget_bytes:
-            hi = 0
-        elif timeline_of(problem, costs, prefix(hi)).peak_bytes <= budget_bytes:
+        none, every = timeline_of(problem, costs, prefix(0)), timeline_of(problem, costs, prefix(hi))
+        if none.peak_bytes <= budget_bytes or (every.peak_bytes, every.makespan_us) >= (none.peak_bytes,
+                                                                                          none.makespan_us):
+            hi = 0  # fits as it is, or evicting everything does not even lower the peak
+        elif every.peak_bytes <= budget_bytes:
             while lo < hi:
                 mid = (lo + hi) // 2
                 if timeline_of(problem, costs, prefix(mid)).peak_bytes <= budget_bytes:

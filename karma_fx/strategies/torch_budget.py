@@ -7,6 +7,7 @@ Whatever the backward needs and PyTorch did not save is recomputed just before i
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from karma_fx.costs import Costs
@@ -48,7 +49,9 @@ class TorchBudget:
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         builder = RecomputeBuilder(problem)
-        options = ((decisions_for_saved(problem, self.saved_set(f), builder), f) for f in self.grid)
+        options = itertools.chain([((), None)],
+                                  ((decisions_for_saved(problem, self.saved_set(f), builder), f) for f in self.grid))
         decisions, fraction = pick_best(problem, costs, budget_bytes, options)
         return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
-                    notes=(f"activation_memory_budget={fraction}",))
+                    notes=(f"activation_memory_budget={fraction}" if fraction is not None
+                           else "everything fits: nothing recomputed",))

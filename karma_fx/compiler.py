@@ -1,0 +1,173 @@
+"""``karma_fx.compile``: the model's training step, planned under a budget and rewritten to follow the plan.
+
+The returned module is a drop-in: same call signature and outputs as the model; ``loss.backward()`` fills
+``.grad`` of the model's own parameters (AOTAutograd wraps the rewritten forward and backward graphs in an
+autograd function), so any optimizer works. The first call captures, plans and compiles; a call with other
+input shapes, dtypes or devices does the same again for those (as ``torch.compile`` recompiles).
+
+Example::
+
+    step = karma_fx.compile(model, budget=0.5, strategy="karma")
+    loss = loss_fn(step(x), y); loss.backward()
+    print(step.plan.table()); fw, bw = step.graphs[0]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from karma_fx.budget import format_bytes, parse_budget
+from karma_fx.costs import estimate_costs
+from karma_fx.device import DeviceSpec, get_device
+from karma_fx.errors import InfeasibleBudgetError, UnsupportedModelError
+from karma_fx.passes.capture import _as_torch_compile_sees_it, _friendly_errors
+from karma_fx.passes.partition import make_partition_fn
+from karma_fx.plan import Plan
+from karma_fx.simulate import simulate
+from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
+from karma_fx.strategies.base import leanest_peak
+
+
+@dataclass
+class Compiled:
+    """One compiled variant (per input signature): the callable and what was planned for it."""
+
+    fn: Any
+    plan: Plan
+    graphs: tuple[fx.GraphModule, fx.GraphModule]
+    out_spec: Any
+    problem: Any = None
+    costs: Any = None
+
+
+class _FlatStep(nn.Module):
+    """The model with flat tensor inputs and a tuple of tensor outputs, as AOTAutograd wants it."""
+
+    def __init__(self, model: nn.Module, spec: Any, leaves: list[Any], slots: list[int]) -> None:
+        super().__init__()
+        self.model = model
+        self._spec, self._leaves, self._slots = spec, leaves, slots
+        self.out_spec: Any = None
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(self._leaves)
+        for slot, t in zip(self._slots, tensors):
+            leaves[slot] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        out = self.model(*args, **kwargs)
+        flat, self.out_spec = pytree.tree_flatten(out)
+        return tuple(flat)
+
+
+class KarmaModule(nn.Module):
+    """What ``karma_fx.compile`` returns."""
+
+    def __init__(self, model: nn.Module, budget: str | int | float, device: str | DeviceSpec | None,
+                 strategy: str | Strategy | None) -> None:
+        super().__init__()
+        parse_budget(budget, unplanned_peak_bytes=1 << 62)
+        self.model = model
+        self.budget = budget
+        self.device_spec = get_device(device)
+        self.strategy = strategy if strategy is not None else DEFAULT_STRATEGY
+        self._variants: dict[Any, Compiled] = {}
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the most recent input signature."""
+        if not self._variants:
+            raise RuntimeError("call the compiled module once first: plans are made for concrete inputs")
+        return list(self._variants.values())[-1].plan
+
+    @property
+    def graphs(self) -> list[tuple[fx.GraphModule, fx.GraphModule]]:
+        return [v.graphs for v in self._variants.values()]
+
+    @property
+    def min_budget_bytes(self) -> int:
+        """The smallest budget known to work for the most recent input signature (see ``leanest_peak``)."""
+        if not self._variants:
+            raise RuntimeError("call the compiled module once first: plans are made for concrete inputs")
+        variant = list(self._variants.values())[-1]
+        return leanest_peak(variant.problem, variant.costs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((list(args), kwargs))
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaves[i] for i in slots]
+        devices = {t.device for t in tensors} | {p.device for p in self.model.parameters()}
+        if len(devices) > 1:
+            raise UnsupportedModelError(f"inputs and parameters are on mixed devices {sorted(map(str, devices))}")
+        key = (spec, tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
+               tuple(None if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves))
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._variants[key] = self._compile(spec, leaves, slots, tensors)
+        flat = variant.fn(*tensors)
+        return pytree.tree_unflatten(list(flat), variant.out_spec)
+
+    def _compile(self, spec: Any, leaves: list[Any], slots: list[int], tensors: list[torch.Tensor]) -> Compiled:
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        holes = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        flat = _FlatStep(self.model, spec, holes, slots)
+        kinds = tuple(["param"] * len(dict(flat.named_parameters())) + ["buffer"] * len(dict(flat.named_buffers()))
+                      + ["input"] * len(tensors))
+        names = tuple(list(dict(flat.named_parameters())) + list(dict(flat.named_buffers()))
+                      + [f"input[{i}]" for i in range(len(tensors))])
+        result: dict[str, Any] = {}
+        strategy = self.strategy
+        budget, device = self.budget, self.device_spec
+
+        def plan_fn(problem, step):
+            costs = estimate_costs(problem, device)
+            keep = simulate(problem, (), costs)
+            budget_bytes = parse_budget(budget, keep.peak_bytes)
+            saved_set = None
+            if strategy in ("torch-budget", "cpsat"):
+                from karma_fx.passes.torch_partition import saved_storages
+
+                saved_set = lambda fraction: saved_storages(step, problem, fraction)  # noqa: E731
+            chosen = make_strategy(strategy, saved_set) if isinstance(strategy, str) else strategy
+            raw = chosen(problem, costs, budget_bytes)
+            timeline = simulate(problem, raw, costs)
+            from karma_fx.api import finalize
+
+            plan = finalize(raw, problem, costs, timeline, keep, device=costs.device)
+            result.update(problem=problem, costs=costs)
+            if not plan.fits:
+                floor = leanest_peak(problem, costs)
+                raise InfeasibleBudgetError(
+                    f"strategy {plan.strategy!r} cannot fit the training step in {format_bytes(budget_bytes)} (its "
+                    f"plan peaks at {format_bytes(plan.peak_bytes)}); the smallest budget known to work is "
+                    f"{format_bytes(floor)} ({floor} bytes, reachable with strategy='cpsat')",
+                    min_budget_bytes=floor, budget_bytes=budget_bytes)
+            return plan
+
+        def on_done(problem, plan, fw, bw):
+            result.update(plan=plan, graphs=(fw, bw))
+
+        partition = make_partition_fn(plan_fn, kinds, names, on_done)
+
+        def boxed(gm: fx.GraphModule, example_inputs: Any):
+            return make_boxed_func(gm.forward)
+
+        with _as_torch_compile_sees_it(), _friendly_errors("compiling the training step"):
+            fn = aot_module_simplified(flat, tuple(tensors), fw_compiler=boxed, bw_compiler=boxed,
+                                       partition_fn=partition)
+        return Compiled(fn=fn, plan=result["plan"], graphs=result["graphs"], out_spec=flat.out_spec,
+                        problem=result["problem"], costs=result["costs"])
+
+
+def compile(model: nn.Module, *, budget: str | int | float, device: str | DeviceSpec | None = None,
+            strategy: str | Strategy | None = None) -> KarmaModule:
+    """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan."""
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"karma_fx.compile takes an nn.Module, got {type(model).__name__}")
+    return KarmaModule(model, budget, device, strategy)

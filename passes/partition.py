@@ -1,0 +1,61 @@
+"""Partition: plan the captured joint graph, rewrite it, and split it into forward and backward graphs.
+
+This is the ``partition_fn`` handed to AOTAutograd, the seam where ``torch.compile`` (and
+``karma_fx.compile``) give us the joint graph. The forward keeps what the forward outputs need plus the
+offload copies; everything the backward reads from the forward is saved, exactly as AOTAutograd's default
+partitioner does, but after the rewrite the backward reads host copies and recomputed values instead.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from karma_fx.passes.capture import CapturedStep
+from karma_fx.passes.liveness import _forward_nodes, build_problem
+from karma_fx.passes.rewrite import rewrite_joint
+from karma_fx.plan import Plan
+from karma_fx.problem import Problem
+
+PlanFn = Callable[[Problem, CapturedStep], Plan]
+
+
+def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
+                      on_done: Callable[[Problem, Plan, fx.GraphModule, fx.GraphModule], None]) -> Callable:
+    """A ``partition_fn`` that plans with ``plan_fn`` and reports the result to ``on_done``."""
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
+        step = CapturedStep(joint=joint, primal_kinds=primal_kinds, primal_names=primal_names,
+                            num_fwd_outputs=num_fwd_outputs, output_names=(), joint_inputs=joint_inputs)
+        problem = build_problem(step)
+        plan = plan_fn(problem, step)
+        rewritten, offload_names = rewrite_joint(step, problem, plan)
+        fw, bw = split(rewritten, num_fwd_outputs, offload_names)
+        on_done(problem, plan, fw, bw)
+        return fw, bw
+
+    return partition
+
+
+def split(joint: fx.GraphModule, num_fwd_outputs: int, forced_forward: set[str]) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward modules of a (rewritten) joint graph; ``forced_forward`` nodes run in the forward."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    step = CapturedStep(joint=joint, primal_kinds=(), primal_names=(), num_fwd_outputs=num_fwd_outputs,
+                        output_names=())
+    forward = _forward_nodes(step) | {n for n in joint.graph.nodes if n.name in forced_forward}
+    saved: list[fx.Node] = []
+    for node in joint.graph.nodes:
+        is_primal = node.op == "placeholder" and not node.name.startswith("tangents")
+        if not (is_primal or node in forward):
+            continue
+        if node.op == "call_function" and node.users and all(u.target is operator.getitem for u in node.users):
+            continue  # a tuple: its getitems are saved instead
+        if any(u not in forward and u.op != "output" for u in node.users):
+            saved.append(node)
+    kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd_outputs}
+    if "ignore_must_be_in_fw_bw" in inspect.signature(_extract_fwd_bwd_modules).parameters:
+        kwargs["ignore_must_be_in_fw_bw"] = True
+    return _extract_fwd_bwd_modules(joint, saved, [], **kwargs)

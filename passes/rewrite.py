@@ -1,0 +1,202 @@
+"""Rewrite: apply a ``Plan`` to the joint forward+backward graph.
+
+For every decision the backward stops reading the forward's tensor and reads a new one instead:
+
+* offload: ``h = karma.offload(x)`` right after ``offload_after`` (in the forward), ``y = karma.prefetch(h)``
+  before ``prefetch_at`` and ``z = karma.wait(y)`` before the first backward read; every backward read of
+  ``x`` (or of a view of it) now reads ``z`` (or the same view of ``z``);
+* recompute: copies of the plan's ops, just before the first backward read of what they rebuild, reading
+  what stays resident (or earlier copies); backward reads of the rebuilt tensors read the copies.
+
+The forward no longer hands ``x`` to the backward, so the partitioner does not save it; it saves ``h`` (host)
+or the recompute chain's inputs instead. Views in the backward are first sunk to just before their first
+reader so that nothing reads a tensor earlier than the plan says. Nothing here looks at memory or time: the
+plan is the simulator's business, the rewrite only makes the graph do what the plan says.
+
+Example::
+
+    rewritten = rewrite_joint(step, problem, plan)      # a new GraphModule; step.joint is untouched
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx as fx
+
+import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma
+from karma_fx.errors import InvalidPlanError
+from karma_fx.passes.capture import CapturedStep
+from karma_fx.passes.liveness import _forward_nodes
+from karma_fx.plan import Offload, Plan, Recompute
+from karma_fx.problem import Problem
+
+
+def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.GraphModule, set[str]]:
+    """A copy of ``step.joint`` doing what ``plan`` says, and the names of the nodes that must run in the
+    forward (the offloads and buffer snapshots), for the partitioner."""
+    joint = copy.deepcopy(step.joint)
+    graph = joint.graph
+    nodes = {n.name: n for n in graph.nodes}
+    forward = {nodes[n.name] for n in _forward_nodes(step)}
+    op_names = {op.name for op in problem.ops}
+    storage_of = dict(problem.aliases)
+    _sink_backward_views(graph, forward, op_names)
+
+    def backward_readers(storage: str) -> list[fx.Node]:
+        """Backward nodes reading ``storage`` directly or through a view made in the forward."""
+        return [u for n in graph.nodes if storage_of.get(n.name) == storage for u in n.users
+                if u not in forward and u.op != "output"]
+
+    def first_in_graph(candidates: list[fx.Node]) -> fx.Node:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        return min(candidates, key=order.__getitem__)
+
+    forward_offloads: set[str] = set()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    buffers = {placeholders[i] for i, kind in enumerate(step.primal_kinds) if kind == "buffer"}
+    snapshots: dict[fx.Node, fx.Node] = {}
+
+    def snapshot(buffer: fx.Node) -> fx.Node:
+        """A forward copy of a buffer for recomputes to read: the step updates buffers in place after the
+        forward (BatchNorm running stats), and a recompute must neither see nor trip over that update."""
+        if buffer not in snapshots:
+            with graph.inserting_after(placeholders[-1]):
+                snap = graph.call_function(torch.ops.aten.clone.default, (buffer,))
+            _copy_meta(snap, buffer, "forward")
+            snapshots[buffer] = snap
+            forward_offloads.add(snap.name)
+        return snapshots[buffer]
+
+    for d in plan.decisions:
+        if isinstance(d, Offload):
+            source = nodes[d.tensor]
+            readers = backward_readers(d.tensor)
+            if not readers:
+                continue
+            # After the producing op, or after the getitem that unpacks it when the op returns a tuple.
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            after = max(nodes[d.offload_after], source, key=order.__getitem__)
+            with graph.inserting_after(after):
+                host = graph.call_function(torch.ops.karma.offload.default, (source,))
+            forward_offloads.add(host.name)
+            with graph.inserting_before(nodes[d.prefetch_at]):
+                fetched = graph.call_function(torch.ops.karma.prefetch.default, (host, _device_of(source)))
+            with graph.inserting_before(first_in_graph(readers + [nodes[d.reload_before]])):
+                ready = graph.call_function(torch.ops.karma.wait.default, (fetched,))
+            _copy_meta(host, source, "forward", device=torch.device("cpu"))
+            _copy_meta(fetched, source, "backward")
+            _copy_meta(ready, source, "backward")
+            _redirect(graph, readers, {source: ready}, storage_of, op_names)
+    for d in plan.decisions:
+        if isinstance(d, Recompute):
+            readers = [r for t in d.tensors for r in backward_readers(t)]
+            if not readers:
+                continue
+            anchor = first_in_graph(readers + [nodes[d.reload_before]])
+            replaced: dict[fx.Node, fx.Node] = {}
+            with graph.inserting_before(anchor):
+                for name in d.ops:
+                    original = nodes[name]
+                    if original.meta.get("val") is None:
+                        raise InvalidPlanError(f"cannot recompute {name}: it has no traced value")
+                    clone = graph.node_copy(original, lambda a: snapshot(a) if a in buffers else _materialize(
+                        graph, a, replaced, storage_of, op_names))
+                    clone.meta["partitioner_tag"] = "is_backward"
+                    clone.meta["karma"] = {"recompute_of": name}
+                    replaced[original] = clone
+            _redirect(graph, readers, replaced, storage_of, op_names)
+    _stable_topological_order(graph)
+    graph.lint()
+    joint.recompile()
+    return joint, forward_offloads
+
+
+def _stable_topological_order(graph: fx.Graph) -> None:
+    """Reorder nodes so every node follows its inputs, moving as little as possible: a replica made for an
+    early reader may need an input that the rewrite placed later."""
+    order = list(graph.nodes)
+    placed: set[fx.Node] = set()
+    result: list[fx.Node] = []
+
+    def place(node: fx.Node) -> None:
+        stack = [(node, False)]
+        while stack:
+            current, ready = stack.pop()
+            if current in placed:
+                continue
+            if ready:
+                placed.add(current)
+                result.append(current)
+                continue
+            stack.append((current, True))
+            stack.extend((arg, False) for arg in reversed(current.all_input_nodes) if arg not in placed)
+
+    for node in order:
+        place(node)
+    if result != order:
+        anchor = result[0]
+        for node in result[1:]:
+            anchor.append(node)
+            anchor = node
+
+
+def _device_of(node: fx.Node) -> torch.device:
+    return node.meta["val"].device
+
+
+def _copy_meta(new: fx.Node, like: fx.Node, phase: str, device: torch.device | None = None) -> None:
+    """Traced value and partitioner tag for an inserted node (a host copy lives on the CPU)."""
+    val = like.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        if device is not None and val.device != device:
+            mode = getattr(val, "fake_mode", None)
+            with mode if mode is not None else torch.device("meta"):
+                val = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device)
+        new.meta["val"] = val
+    new.meta["partitioner_tag"] = f"is_{phase}"
+    new.meta["karma"] = {"from": like.name}
+
+
+def _materialize(graph: fx.Graph, node: fx.Node, replaced: dict[fx.Node, fx.Node], storage_of: dict[str, str],
+                 op_names: set[str]) -> fx.Node:
+    """The node that stands for ``node`` after the rewrite: its replacement, a replica of a view/getitem of a
+    replaced node (made at the current insertion point), or ``node`` itself if nothing it aliases moved."""
+    if node in replaced:
+        return replaced[node]
+    if node.op != "call_function" or node.name in op_names or node.name not in storage_of:
+        return node  # an op, an input, or a node the rewrite inserted: never replicated
+    mapped = fx.map_arg((node.args, node.kwargs), lambda a: _materialize(graph, a, replaced, storage_of, op_names))
+    if mapped == (node.args, node.kwargs):
+        return node
+    replica = graph.create_node("call_function", node.target, mapped[0], mapped[1])
+    replica.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")}
+    replica.meta["partitioner_tag"] = "is_backward"
+    replaced[node] = replica
+    return replica
+
+
+def _redirect(graph: fx.Graph, readers: list[fx.Node], replaced: dict[fx.Node, fx.Node],
+              storage_of: dict[str, str], op_names: set[str]) -> None:
+    """Make ``readers`` read the replacements (views of moved tensors are replicated just before each)."""
+    for reader in dict.fromkeys(readers):
+        with graph.inserting_before(reader):
+            new_args = fx.map_arg((reader.args, reader.kwargs),
+                                  lambda a: _materialize(graph, a, replaced, storage_of, op_names))
+        reader.args, reader.kwargs = new_args
+
+
+def _sink_backward_views(graph: fx.Graph, forward: set[fx.Node], op_names: set[str]) -> None:
+    """Move each backward view / getitem to just before its first reader, so it reads nothing early.
+
+    Walking backwards, every reader of a node is already in its final place; a moved node takes its first
+    reader's position (a fractional key keeps the order comparable without renumbering the graph).
+    """
+    position = {n: float(i) for i, n in enumerate(graph.nodes)}
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node in forward or node.name in op_names or not node.users:
+            continue
+        first = min(node.users, key=position.__getitem__)
+        if first.op != "output" and position[first] > position[node]:
+            first.prepend(node)
+            position[node] = position[first] - 1e-6

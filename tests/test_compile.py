@@ -1,0 +1,102 @@
+"""karma_fx.compile runs the plan: the rewritten forward and backward give eager PyTorch's loss and gradients.
+
+Budgets are set between the lowest reachable peak and the unplanned peak of each tiny model (tiny models'
+weights dominate their memory, so fractions such as 0.4 of the peak are out of reach for them). Where no
+recompute reorders arithmetic the results are bit-identical; we allow 1e-5 relative error everywhere.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import karma_fx
+from karma_fx.errors import InfeasibleBudgetError, KarmaError, UnsupportedModelError
+from karma_fx.zoo import build, output_to_loss
+
+
+CASES = [(m, s) for m in ("mlp", "cnn", "gpt2", "bert", "llama", "resnet50", "megatron_gpt", "wrn28_10")
+         for s in ("checkpoint", "offload", "karma")]
+CASES += [(m, s) for m in ("cnn", "gpt2") for s in ("torch-budget", "cpsat")]  # slow planners: two models
+
+
+def budgets(name):
+    """The compiled step's own unplanned peak, the floor known to work, and halfway (as HF models return
+    their logits too, the compiled step differentiates more outputs than ``karma_fx.plan`` does)."""
+    model, args, kwargs = build(name, "tiny")
+    probe = karma_fx.compile(model, budget=1.0, strategy="keep")
+    probe(*args, **kwargs)
+    high, low = probe.plan.unplanned_peak_bytes, probe.min_budget_bytes
+    return [high, low + (high - low) // 2, low]
+
+
+def assert_same_training(model, compiled, args, kwargs, steps=3):
+    reference = copy.deepcopy(model)
+    opt_a = torch.optim.SGD(compiled.parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for step in range(steps):
+        torch.manual_seed(step)
+        loss_a = output_to_loss(compiled(*args, **kwargs))
+        loss_a.backward()
+        torch.manual_seed(step)
+        loss_b = output_to_loss(reference(*args, **kwargs))
+        loss_b.backward()
+        assert torch.allclose(loss_a, loss_b, rtol=1e-5, atol=0), (step, loss_a.item(), loss_b.item())
+        for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if p.grad is not None:
+                scale = q.grad.abs().max().clamp_min(1e-30)
+                assert ((p.grad - q.grad).abs().max() / scale).item() <= 1e-5, (step, n)
+        opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
+    for (n, b), c in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(b, c), f"buffer {n} differs (updated twice, or not at all?)"
+
+
+@pytest.mark.parametrize("name, strategy", CASES)
+def test_gradients_equal_eager(name, strategy):
+    ran = 0
+    for budget in budgets(name):
+        model, args, kwargs = build(name, "tiny")
+        compiled = karma_fx.compile(model, budget=budget, strategy=strategy)
+        try:
+            torch.manual_seed(0)
+            compiled(*args, **kwargs)
+        except InfeasibleBudgetError:
+            continue
+        model, args, kwargs = build(name, "tiny")
+        compiled = karma_fx.compile(model, budget=budget, strategy=strategy)
+        assert_same_training(model, compiled, args, kwargs)
+        assert compiled.plan.strategy == strategy and compiled.plan.fits
+        ran += 1
+    assert ran, f"{strategy} fitted no budget on {name}"
+
+
+def test_plan_is_applied_to_the_graphs():
+    model, args, kwargs = build("gpt2", "tiny")
+    compiled = karma_fx.compile(model, budget=1 << 40, strategy="offload")  # offload ignores the budget
+    output_to_loss(compiled(*args, **kwargs)).backward()
+    (fw, bw), = compiled.graphs
+    offloads = [n for n in fw.graph.nodes if n.target is torch.ops.karma.offload.default]
+    prefetches = [n for n in bw.graph.nodes if n.target is torch.ops.karma.prefetch.default]
+    waits = [n for n in bw.graph.nodes if n.target is torch.ops.karma.wait.default]
+    assert len(offloads) == len(prefetches) == len(waits) == len(compiled.plan.offloads) > 0
+    saved = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+    assert not saved & {d.tensor for d in compiled.plan.offloads}, "offloaded tensors must not be saved"
+
+
+def test_bad_input():
+    model, args, kwargs = build("mlp", "tiny")
+    with pytest.raises(KarmaError):
+        karma_fx.compile(model, budget="-1")
+    with pytest.raises(UnsupportedModelError):
+        karma_fx.compile(lambda x: x, budget=0.5)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        karma_fx.compile(model, budget=1000, strategy="karma")(*args, **kwargs)
+    assert info.value.min_budget_bytes > 1000
+    compiled = karma_fx.compile(model, budget=1.0, strategy="keep")
+    with pytest.raises(RuntimeError, match="call the compiled module"):
+        compiled.plan
+    compiled(*args)
+    compiled(torch.randn(3, *args[0].shape[1:]))  # other shapes: planned and compiled again
+    assert len(compiled.graphs) == 2
