@@ -64,6 +64,25 @@ class _FlatStep(nn.Module):
         return tuple(flat)
 
 
+def boxed_graph(gm: fx.GraphModule) -> Any:
+    """The graph as a boxed function that clears its argument list on entry, so each input (a saved
+    activation in the backward) is freed after its last use rather than at the end of the graph. Without
+    this the backward holds every saved tensor to its end (measured: +32% peak on the tiny CNN)."""
+    from functorch.compile import make_boxed_func
+
+    codegen = getattr(fx.graph, "_BoxedCodeGen", None)
+    if codegen is None:  # older torch: correct, but inputs live until the graph returns
+        return make_boxed_func(gm.forward)
+    gm.graph.set_codegen(codegen())
+    gm.recompile()
+
+    def run(args: list) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
 class KarmaModule(nn.Module):
     """What ``karma_fx.compile`` returns."""
 
@@ -112,7 +131,6 @@ class KarmaModule(nn.Module):
         return pytree.tree_unflatten(list(flat), variant.out_spec)
 
     def _compile(self, spec: Any, leaves: list[Any], slots: list[int], tensors: list[torch.Tensor]) -> Compiled:
-        from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_module_simplified
 
         holes = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -156,7 +174,7 @@ class KarmaModule(nn.Module):
         partition = make_partition_fn(plan_fn, kinds, names, on_done)
 
         def boxed(gm: fx.GraphModule, example_inputs: Any):
-            return make_boxed_func(gm.forward)
+            return boxed_graph(gm)
 
         with _as_torch_compile_sees_it(), _friendly_errors("compiling the training step"):
             fn = aot_module_simplified(flat, tuple(tensors), fw_compiler=boxed, bw_compiler=boxed,
