@@ -47,6 +47,7 @@ class LiveBytes(TorchDispatchMode):
                         self.baseline_bytes += t.grad.untyped_storage().nbytes()
         self._preexisting = seen
         self.peak_bytes = self.baseline_bytes
+        self.peak_op = ""
 
     def _track(self, t: torch.Tensor, host: bool) -> None:
         if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
@@ -81,5 +82,7 @@ class LiveBytes(TorchDispatchMode):
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._track(leaf, host)
-        self.peak_bytes = max(self.peak_bytes, self.baseline_bytes + self.current_bytes)
+        if self.baseline_bytes + self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.baseline_bytes + self.current_bytes
+            self.peak_op = str(func)
         return out

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 import torch.fx as fx
@@ -105,6 +106,7 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
                     clone.meta["partitioner_tag"] = "is_backward"
                     clone.meta["karma"] = {"recompute_of": name}
                     replaced[original] = clone
+                    _unpack_now(graph, original, clone, replaced)
             _redirect(graph, readers, replaced, storage_of, op_names)
     _stable_topological_order(graph)
     graph.lint()
@@ -158,6 +160,19 @@ def _copy_meta(new: fx.Node, like: fx.Node, phase: str, device: torch.device | N
     new.meta["karma"] = {"from": like.name}
 
 
+def _unpack_now(graph: fx.Graph, original: fx.Node, clone: fx.Node, replaced: dict[fx.Node, fx.Node]) -> None:
+    """Unpack a recomputed tuple right away: a tuple unpacked lazily keeps every element (batch norm's full
+    output with its saved statistics) alive until its last element is taken, far later than planned."""
+    last = clone
+    for user in list(original.users):
+        if user.target is operator.getitem and user not in replaced:
+            with graph.inserting_after(last):
+                item = graph.call_function(operator.getitem, (clone, user.args[1]))
+            item.meta = {k: v for k, v in user.meta.items() if k in ("val", "tensor_meta")}
+            item.meta["partitioner_tag"] = "is_backward"
+            replaced[user] = last = item
+
+
 def _materialize(graph: fx.Graph, node: fx.Node, replaced: dict[fx.Node, fx.Node], storage_of: dict[str, str],
                  op_names: set[str]) -> fx.Node:
     """The node that stands for ``node`` after the rewrite: its replacement, a replica of a view/getitem of a
@@ -187,14 +202,18 @@ def _redirect(graph: fx.Graph, readers: list[fx.Node], replaced: dict[fx.Node, f
 
 
 def _sink_backward_views(graph: fx.Graph, forward: set[fx.Node], op_names: set[str]) -> None:
-    """Move each backward view / getitem to just before its first reader, so it reads nothing early.
+    """Move each backward view / getitem to just before its first reader, so it reads nothing early (and
+    drop the dead ones).
 
     Walking backwards, every reader of a node is already in its final place; a moved node takes its first
     reader's position (a fractional key keeps the order comparable without renumbering the graph).
     """
     position = {n: float(i) for i, n in enumerate(graph.nodes)}
     for node in reversed(list(graph.nodes)):
-        if node.op != "call_function" or node in forward or node.name in op_names or not node.users:
+        if node.op != "call_function" or node in forward or node.name in op_names:
+            continue
+        if not node.users:  # a dead view would otherwise count as an early reader
+            graph.erase_node(node)
             continue
         first = min(node.users, key=position.__getitem__)
         if first.op != "output" and position[first] > position[node]:
