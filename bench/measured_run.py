@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import warnings
 
-import torch
 from tabulate import tabulate
 
 import karma_fx
 from karma_fx.errors import InfeasibleBudgetError
-from karma_fx.measure_run import LiveBytes
+from karma_fx.measure_run import measure_step_peak
 from karma_fx.zoo import build, output_to_loss
 
 MODELS = "mlp,cnn,resnet50,resnet200,resnet1001,wrn28_10,vgg16,megatron_gpt,gpt2,bert,llama"
@@ -45,14 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             except InfeasibleBudgetError:
                 rows.append([name, strategy, budget, "infeasible", "", ""])
                 continue
-            for param in model.parameters():
-                param.grad = None
-            gc.collect()
-            inputs = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-            with LiveBytes(model.parameters(), model.buffers(), inputs) as live:
-                loss = output_to_loss(compiled(*args, **kwargs))
-                loss.backward()
-                del loss
+            live = measure_step_peak(model, compiled, args, kwargs, output_to_loss)
             plan = compiled.plan
             rows.append([name, strategy, budget, plan.peak_bytes, live.peak_bytes,
                          f"{live.peak_bytes / plan.peak_bytes:.4f}"])

@@ -86,3 +86,19 @@ class LiveBytes(TorchDispatchMode):
             self.peak_bytes = self.baseline_bytes + self.current_bytes
             self.peak_op = str(func)
         return out
+
+
+def measure_step_peak(model: torch.nn.Module, step: Any, args: tuple, kwargs: dict, loss_fn: Any) -> LiveBytes:
+    """Run ``loss_fn(step(*args, **kwargs)).backward()`` once under ``LiveBytes`` (after dropping old
+    gradients), counting the model's weights, buffers and the tensor inputs as what existed before."""
+    import gc
+
+    for param in model.parameters():
+        param.grad = None
+    gc.collect()
+    inputs = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    with LiveBytes(model.parameters(), model.buffers(), inputs) as live:
+        loss = loss_fn(step(*args, **kwargs))
+        loss.backward()
+        del loss
+    return live

@@ -110,9 +110,7 @@ MEASURED = [("mlp", "offload"), ("cnn", "checkpoint"), ("cnn", "karma"), ("gpt2"
 def test_measured_peak_of_the_real_run_matches_the_simulator(name, strategy):
     """Device bytes of live storages while the compiled step really runs (host copies excluded) stay under
     the budget and within 5% of the simulator's peak."""
-    import gc
-
-    from karma_fx.measure_run import LiveBytes
+    from karma_fx.measure_run import measure_step_peak
 
     high, mid, low = budgets(name)
     model, args, kwargs = build(name, "tiny")
@@ -122,14 +120,7 @@ def test_measured_peak_of_the_real_run_matches_the_simulator(name, strategy):
     except InfeasibleBudgetError:
         compiled = karma_fx.compile(model, budget=high, strategy=strategy)
         output_to_loss(compiled(*args, **kwargs)).backward()
-    for p in model.parameters():
-        p.grad = None
-    gc.collect()
-    inputs = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-    with LiveBytes(model.parameters(), model.buffers(), inputs) as live:
-        loss = output_to_loss(compiled(*args, **kwargs))
-        loss.backward()
-        del loss
+    live = measure_step_peak(model, compiled, args, kwargs, output_to_loss)
     plan = compiled.plan
     # 16 bytes of slack: the autograd engine's scalar gradient seed can briefly coexist with its copy.
     assert live.peak_bytes <= plan.budget_bytes + 16, (live.peak_bytes, plan.budget_bytes)
