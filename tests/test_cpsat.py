@@ -63,3 +63,12 @@ def test_never_worse_than_any_heuristic(name):
         other = prep.plan(budget, h, raise_if_infeasible=False).plan
         if other.fits:
             assert cpsat.fits and cpsat.step_time_us <= other.step_time_us + 1e-6, (h, cpsat.notes)
+
+
+def test_infeasible_budget_returns_the_leanest_plan():
+    """When nothing fits, the plan shows the lowest peak known (what the error and the grid report)."""
+    p = chain_problem()
+    costs = flat_costs(p)
+    plan = CpSat(options=EXACT)(p, costs, 100)
+    assert plan.status == "INFEASIBLE" and plan.decisions
+    assert simulate(p, plan, costs).peak_bytes < simulate(p, (), costs).peak_bytes
