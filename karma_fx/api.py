@@ -14,10 +14,10 @@ import torch.nn as nn
 from karma_fx.budget import format_bytes, parse_budget
 from karma_fx.costs import Costs, estimate_costs
 from karma_fx.device import DeviceSpec, get_device
-from karma_fx.errors import InfeasibleBudgetError, KarmaError
+from karma_fx.errors import InfeasibleBudgetError
 from karma_fx.passes.capture import CapturedStep, capture
 from karma_fx.passes.liveness import build_problem
-from karma_fx.plan import Decision, Plan
+from karma_fx.plan import Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline, simulate
 from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
@@ -64,16 +64,16 @@ class Prepared:
             strategy = DEFAULT_STRATEGY
         if not isinstance(strategy, str):
             return strategy
-        saved_set = None
-        if strategy in ("torch-budget", "cpsat") and self.step is not None:
-            from karma_fx.passes.torch_partition import saved_storages
+        if strategy not in ("torch-budget", "cpsat") or self.step is None:
+            return make_strategy(strategy)
+        from karma_fx.passes.torch_partition import saved_storages
 
-            step, problem, cache = self.step, self.problem, self._torch_saved
+        step, problem, cache = self.step, self.problem, self._torch_saved
 
-            def saved_set(fraction: float) -> frozenset[str]:
-                if fraction not in cache:
-                    cache[fraction] = saved_storages(step, problem, fraction)
-                return cache[fraction]
+        def saved_set(fraction: float) -> frozenset[str]:
+            if fraction not in cache:
+                cache[fraction] = saved_storages(step, problem, fraction)
+            return cache[fraction]
         return make_strategy(strategy, saved_set)
 
     def plan(self, budget: str | int | float, strategy: str | Strategy | None = None, *,

@@ -58,7 +58,7 @@ def execution_order(step: CapturedStep) -> list[fx.Node]:
     return [n for n in calls if n in forward] + [n for n in calls if n not in forward]
 
 
-def forward_node_count(step: CapturedStep, order: list[fx.Node] | None = None) -> int:
+def forward_node_count(step: CapturedStep) -> int:
     """How many leading nodes of the execution order belong to the forward."""
     return len(_forward_nodes(step))
 
@@ -90,7 +90,7 @@ def build_problem(step: CapturedStep, name: str = "model") -> Problem:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     order = execution_order(step)
-    num_fwd_nodes = forward_node_count(step, order)
+    num_fwd_nodes = forward_node_count(step)
 
     key_to_name: dict[Any, str] = {}
     size: dict[str, int] = {}

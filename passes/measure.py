@@ -54,7 +54,7 @@ def measure_step(step: CapturedStep, model: nn.Module, args: tuple = (), kwargs:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     primals = real_primals(step, model, args, kwargs)
     order = execution_order(step)
-    num_fwd = forward_node_count(step, order)
+    num_fwd = forward_node_count(step)
     position = {n: i for i, n in enumerate(order)}
     output = next(n for n in graph.nodes if n.op == "output")
     keep_to_end = set(output.all_input_nodes) | set(placeholders[: len(primals)])

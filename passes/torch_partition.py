@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import operator
 
-import torch
 import torch.fx as fx
 
 from karma_fx.passes.capture import CapturedStep
