@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -83,6 +83,45 @@ def boxed_graph(gm: fx.GraphModule) -> Any:
     return run
 
 
+def make_plan_fn(budget: str | int | float, strategy: str | Strategy, device: DeviceSpec,
+                 result: dict[str, Any], available_bytes: Callable[[int], int] | None = None,
+                 context: Callable[[], str] | None = None) -> Callable:
+    """The planner the partitioner calls: estimate costs, plan with ``strategy`` under ``budget`` and record
+    the problem and costs in ``result``; raises ``InfeasibleBudgetError`` naming the smallest budget known to
+    work. ``available_bytes`` maps the parsed budget to what this region may use (graph breaks share it);
+    ``context`` adds to the error what else holds the device."""
+
+    def plan_fn(problem: Any, step: Any) -> Plan:
+        costs = estimate_costs(problem, device)
+        keep = simulate(problem, (), costs)
+        budget_bytes = parse_budget(budget, keep.peak_bytes)
+        if available_bytes is not None:
+            budget_bytes = available_bytes(budget_bytes)
+        saved_set = None
+        if strategy in ("torch-budget", "cpsat"):
+            from karma_fx.passes.torch_partition import saved_storages
+
+            saved_set = lambda fraction: saved_storages(step, problem, fraction)  # noqa: E731
+        chosen = make_strategy(strategy, saved_set) if isinstance(strategy, str) else strategy
+        raw = chosen(problem, costs, budget_bytes)
+        timeline = simulate(problem, raw, costs)
+        from karma_fx.api import finalize
+
+        plan = finalize(raw, problem, costs, timeline, keep, device=costs.device)
+        result.update(problem=problem, costs=costs)
+        if not plan.fits:
+            floor = leanest_peak(problem, costs)
+            raise InfeasibleBudgetError(
+                f"strategy {plan.strategy!r} cannot fit the training step in {format_bytes(budget_bytes)} (its "
+                f"plan peaks at {format_bytes(plan.peak_bytes)}); the smallest budget known to work is "
+                f"{format_bytes(floor)} ({floor} bytes, reachable with strategy='cpsat')"
+                + (context() if context is not None else ""),
+                min_budget_bytes=floor, budget_bytes=budget_bytes)
+        return plan
+
+    return plan_fn
+
+
 class KarmaModule(nn.Module):
     """What ``karma_fx.compile`` returns."""
 
@@ -140,33 +179,7 @@ class KarmaModule(nn.Module):
         names = tuple(list(dict(flat.named_parameters())) + list(dict(flat.named_buffers()))
                       + [f"input[{i}]" for i in range(len(tensors))])
         result: dict[str, Any] = {}
-        strategy = self.strategy
-        budget, device = self.budget, self.device_spec
-
-        def plan_fn(problem, step):
-            costs = estimate_costs(problem, device)
-            keep = simulate(problem, (), costs)
-            budget_bytes = parse_budget(budget, keep.peak_bytes)
-            saved_set = None
-            if strategy in ("torch-budget", "cpsat"):
-                from karma_fx.passes.torch_partition import saved_storages
-
-                saved_set = lambda fraction: saved_storages(step, problem, fraction)  # noqa: E731
-            chosen = make_strategy(strategy, saved_set) if isinstance(strategy, str) else strategy
-            raw = chosen(problem, costs, budget_bytes)
-            timeline = simulate(problem, raw, costs)
-            from karma_fx.api import finalize
-
-            plan = finalize(raw, problem, costs, timeline, keep, device=costs.device)
-            result.update(problem=problem, costs=costs)
-            if not plan.fits:
-                floor = leanest_peak(problem, costs)
-                raise InfeasibleBudgetError(
-                    f"strategy {plan.strategy!r} cannot fit the training step in {format_bytes(budget_bytes)} (its "
-                    f"plan peaks at {format_bytes(plan.peak_bytes)}); the smallest budget known to work is "
-                    f"{format_bytes(floor)} ({floor} bytes, reachable with strategy='cpsat')",
-                    min_budget_bytes=floor, budget_bytes=budget_bytes)
-            return plan
+        plan_fn = make_plan_fn(self.budget, self.strategy, self.device_spec, result)
 
         def on_done(problem, plan, fw, bw):
             result.update(plan=plan, graphs=(fw, bw))

@@ -1,0 +1,109 @@
+"""torch.compile(model, backend="karma"): registered by entry point, exact gradients, graph breaks share the budget."""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch._dynamo
+
+import karma_fx
+from karma_fx.backend import regions
+from karma_fx.errors import InfeasibleBudgetError, KarmaError, UnsupportedModelError
+from karma_fx.zoo import build, output_to_loss
+
+from test_compile import assert_same_training
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_backend_is_found_with_nothing_imported_first():
+    """A fresh interpreter that imports only torch finds backend="karma" through the entry point."""
+    script = textwrap.dedent("""
+        import sys, torch
+        assert "karma_fx" not in sys.modules
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        step = torch.compile(model, backend="karma", options={"budget": 1.0, "strategy": "keep"})
+        step(torch.randn(4, 8)).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+        from karma_fx.backend import regions
+        print("karma_fx" in sys.modules, len(torch.ops.karma.offload.default._schema.arguments) > 0)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/",
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("name, strategy", [("cnn", "checkpoint"), ("cnn", "karma"), ("gpt2", "checkpoint"), ("mlp", "offload"),
+                                            ("cnn", "cpsat")])
+def test_gradients_equal_eager(name, strategy):
+    """BatchNorm buffers update once per step and dropout draws the same mask, under recompute and offload."""
+    model, args, kwargs = build(name, "tiny")
+    probe = {"budget": 1.0, "strategy": "keep"}
+    output_to_loss(torch.compile(model, backend="karma", options=probe, dynamic=False)(*args, **kwargs))
+    (region,) = regions(probe)
+    high, low = region.plan.unplanned_peak_bytes, region.min_budget_bytes
+    torch._dynamo.reset()
+    model, args, kwargs = build(name, "tiny")
+    options = {"budget": (high + low) // 2, "strategy": strategy}
+    compiled = torch.compile(model, backend="karma", options=options, dynamic=False)
+    assert_same_training(model, compiled, args, kwargs)
+    (region,) = regions(options)
+    assert region.plan.strategy == strategy and region.plan.fits and region.plan.decisions
+
+
+class TwoHalves(torch.nn.Module):
+    """A graph break in the middle: Dynamo compiles two regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Sequential(*[torch.nn.Linear(64, 64) if i % 2 == 0 else torch.nn.Tanh()
+                                           for i in range(8)])
+        self.second = copy.deepcopy(self.first)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h).square().mean()
+
+
+def test_graph_break_regions_share_the_budget():
+    torch.manual_seed(0)
+    model, x = TwoHalves(), torch.randn(256, 64)
+    budget = 960_000  # the first region fits as is; the second must plan around what the first holds
+    options = {"budget": budget, "strategy": "checkpoint"}
+    compiled = torch.compile(model, backend="karma", options=options, dynamic=False)
+    assert_same_training(model, compiled, (x,), {})
+    first, second = regions(options)
+    assert first.plan.budget_bytes == budget and not first.plan.decisions
+    assert second.plan.budget_bytes == budget - first.held_bytes
+    assert first.held_bytes > sum(p.numel() * 4 for p in model.first.parameters())
+    assert second.plan.fits and second.plan.decisions, "the second region must plan around the first's tensors"
+
+
+def test_bad_options_and_dynamic_shapes():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    model, args, _ = build("mlp", "tiny")
+    for options, error in [({}, KarmaError), ({"budget": 0.5, "colour": 1}, KarmaError),
+                           ({"budget": 100, "strategy": "karma"}, InfeasibleBudgetError)]:
+        torch._dynamo.reset()
+        with pytest.raises(BackendCompilerFailed) as info:
+            torch.compile(model, backend="karma", options=options)(*args)
+        assert isinstance(info.value.inner_exception, error), info.value.inner_exception
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="karma", options={"budget": 1.0}, dynamic=True)(*args)
+    assert isinstance(info.value.inner_exception, UnsupportedModelError)
+    assert "dynamic=False" in str(info.value.inner_exception)
