@@ -26,13 +26,18 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
                       on_done: Callable[[Problem, Plan, fx.GraphModule, fx.GraphModule], None]) -> Callable:
     """A ``partition_fn`` that plans with ``plan_fn`` and reports the result to ``on_done``."""
 
-    def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
+    def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **options: Any):
         step = CapturedStep(joint=joint, primal_kinds=primal_kinds, primal_names=primal_names,
                             num_fwd_outputs=num_fwd_outputs, output_names=(), joint_inputs=joint_inputs)
         problem = build_problem(step)
         plan = plan_fn(problem, step)
-        rewritten, offload_names = rewrite_joint(step, problem, plan)
-        fw, bw = split(rewritten, num_fwd_outputs, offload_names)
+        if plan.decisions:
+            rewritten, offload_names = rewrite_joint(step, problem, plan)
+            fw, bw = split(rewritten, num_fwd_outputs, offload_names)
+        else:  # nothing moves: exactly the graphs PyTorch's own default partitioner emits (no karma ops at all)
+            from torch._functorch.partitioners import default_partition
+
+            fw, bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **options)
         on_done(problem, plan, fw, bw)
         return fw, bw
 

@@ -107,3 +107,31 @@ def test_bad_options_and_dynamic_shapes():
         torch.compile(model, backend="karma", options={"budget": 1.0}, dynamic=True)(*args)
     assert isinstance(info.value.inner_exception, UnsupportedModelError)
     assert "dynamic=False" in str(info.value.inner_exception)
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt2", "llama"])
+def test_unlimited_budget_emits_pytorchs_own_graphs(name):
+    """Nothing moves, so the emitted forward and backward are node for node what AOTAutograd's default
+    partitioner emits (``aot_eager`` with the default partitioner): no karma op, no reordering."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    reference: list[torch.fx.GraphModule] = []
+
+    def record(gm, _):
+        reference.append(gm)
+        return make_boxed_func(gm.forward)
+
+    model, args, kwargs = build(name, "tiny")
+    output_to_loss(torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record),
+                                 dynamic=False)(*args, **kwargs)).backward()
+    torch._dynamo.reset()
+    options = {"budget": "1TiB"}
+    output_to_loss(torch.compile(model, backend="karma", options=options, dynamic=False)(*args, **kwargs)).backward()
+    (region,) = regions(options)
+    assert region.plan.decisions == ()
+
+    def nodes(gm):
+        return [(n.op, str(n.target), n.name) for n in gm.graph.nodes]
+
+    assert [nodes(g) for g in region.graphs] == [nodes(g) for g in reference]

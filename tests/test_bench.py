@@ -34,3 +34,11 @@ def test_solver_scaling_smoke(capsys):
     assert scaling.main(["--size", "tiny", "--models", "gpt2:2,cnn", "--budget", "0.95"]) == 0
     out = capsys.readouterr().out
     assert "gpt2:2" in out and "cnn" in out and "capture s" in out
+
+
+def test_overhead_smoke(capsys):
+    overhead = load("overhead")
+    assert overhead.main(["--models", "mlp", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    for label in ("eager", "aot_eager (default partitioner)", "torch.compile karma", "karma_fx.compile"):
+        assert label in out
