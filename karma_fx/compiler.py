@@ -158,6 +158,9 @@ class KarmaModule(nn.Module):
         leaves, spec = pytree.tree_flatten((list(args), kwargs))
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in slots]
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors + list(self.model.parameters())):
+            # Inference (no_grad, or nothing requires grad): no backward, nothing saved, nothing to plan.
+            return self.model(*args, **kwargs)
         devices = {t.device for t in tensors} | {p.device for p in self.model.parameters()}
         if len(devices) > 1:
             raise UnsupportedModelError(f"inputs and parameters are on mixed devices {sorted(map(str, devices))}")

@@ -42,3 +42,11 @@ def test_overhead_smoke(capsys):
     out = capsys.readouterr().out
     for label in ("eager", "aot_eager (default partitioner)", "torch.compile karma", "karma_fx.compile"):
         assert label in out
+
+
+def test_gpu_check_dry(capsys):
+    gpu_check = load("gpu_check")
+    assert gpu_check.main(["--dry", "--models", "gpt2-medium", "--strategies", "checkpoint,karma"]) == 0
+    out = capsys.readouterr().out
+    for label in ("checkpoint", "karma", "torch activation_memory_budget", "torch save_on_cpu", "CPU (dry)"):
+        assert label in out

@@ -100,6 +100,8 @@ def test_bad_input():
     compiled(*args)
     compiled(torch.randn(3, *args[0].shape[1:]))  # other shapes: planned and compiled again
     assert len(compiled.graphs) == 2
+    with torch.no_grad():  # inference: nothing to plan, the model runs as it is
+        assert torch.equal(compiled(*args), model(*args)) and len(compiled.graphs) == 2
 
 
 MEASURED = [("mlp", "offload"), ("cnn", "checkpoint"), ("cnn", "karma"), ("gpt2", "checkpoint"),
