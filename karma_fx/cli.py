@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--plot", metavar="FILE", help="draw memory and the three streams (.png or .svg)")
     p_plan.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
     p_plan.add_argument("--max-rows", type=int, default=60, help="schedule rows to print (default 60; -1: all)")
+    p_plan.add_argument("--nodes", type=int, default=None,
+                        help="predict the data-parallel step on this many nodes (weak scaling: the batch is per GPU)")
+    p_plan.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (with --nodes; default 1)")
+    p_plan.add_argument("--network-gbps", type=float, default=100.0,
+                        help="network bandwidth per node in Gbit/s (with --nodes; default 100, InfiniBand EDR)")
     p_plan.set_defaults(func=cmd_plan)
 
     p_cmp = sub.add_parser("compare", help="plan every strategy at several budgets and print a grid",
@@ -176,6 +181,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.strategy not in STRATEGY_NAMES:
         raise CliError(f"unknown strategy {args.strategy!r}; choose one of {', '.join(STRATEGY_NAMES)}")
     device_name = _check_device(args.device)
+    cluster = _cluster(args)
     prepared = _prepare(args)
     planned = prepared.plan(args.budget, args.strategy)
     plan = planned.plan
@@ -186,6 +192,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     seconds = planned.seconds
     total = sum(seconds.get(k, 0.0) for k in ("build", "capture", "liveness", "costs", "strategy"))
     print(f"planning took {total:.2f} s: {_seconds(seconds, ('build', 'capture', 'liveness', 'costs', 'strategy'))}")
+    if cluster is not None:
+        _print_data_parallel(cluster, planned)
     if args.json:
         _write(args.json, "plan", plan.save)
     if args.plot:
@@ -199,6 +207,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         _write(args.trace, "trace", lambda p: write_chrome_trace(planned.timeline, p, name=plan.model))
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    """The ``Cluster`` of ``--nodes``/``--gpus-per-node``/``--network-gbps``; None without ``--nodes``."""
+    from karma_fx.cluster import Cluster
+    from karma_fx.errors import KarmaError
+
+    if args.nodes is None:
+        return None
+    try:
+        return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, network_gbps=args.network_gbps)
+    except KarmaError as e:
+        raise CliError(str(e)) from None
+
+
+def _print_data_parallel(cluster: Any, planned: Any) -> None:
+    """The predicted data-parallel step on ``cluster`` (weak scaling)."""
+    from karma_fx.cluster import parallel_step, weak_scaling_efficiency
+
+    step = parallel_step(planned.problem, planned.timeline, planned.costs, cluster)
+    efficiency = weak_scaling_efficiency(planned.problem, planned.timeline, planned.costs, cluster)
+    print(f"data parallel on {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = {cluster.world_size} GPUs, "
+          f"{cluster.network_gbps:g} Gbit/s per node, host optimizer: step {step.step_time_us / 1e3:,.3f} ms, "
+          f"weak-scaling efficiency {efficiency:.1%} ({step.buckets} gradient buckets); busy share of the step: "
+          f"compute {step.share(step.compute_us):.0%}, copies {step.share(step.copy_us):.0%}, all-reduce "
+          f"{step.share(step.allreduce_us):.0%}, host update {step.share(step.host_update_us):.0%}")
 
 
 def _split(text: str, what: str) -> list[str]:

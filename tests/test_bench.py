@@ -50,3 +50,10 @@ def test_gpu_check_dry(capsys):
     out = capsys.readouterr().out
     for label in ("checkpoint", "karma", "torch activation_memory_budget", "torch save_on_cpu", "CPU (dry)"):
         assert label in out
+
+
+def test_scaling_smoke(capsys):
+    scaling = load("scaling")
+    assert scaling.main(["--size", "tiny", "--models", "1.5B", "--gpus", "1,8"]) == 0
+    out = capsys.readouterr().out
+    assert "efficiency" in out and "all-reduce" in out

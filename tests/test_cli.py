@@ -132,3 +132,13 @@ def test_console_entry_point():
     done = subprocess.run([sys.executable, "-m", "karma_fx", "plan", "nope"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "karma-fx: error:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_predicts_data_parallel_step(capsys):
+    from karma_fx.cli import main
+
+    assert main(["plan", "mlp", "--size", "tiny", "--budget", "1.0", "--max-rows", "0", "--nodes", "4",
+                 "--gpus-per-node", "2", "--network-gbps", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "4 node(s) x 2 GPU(s) = 8 GPUs" in out and "weak-scaling efficiency" in out
+    assert main(["plan", "mlp", "--size", "tiny", "--nodes", "0"]) != 0
