@@ -24,7 +24,9 @@ import torch.utils._pytree as pytree
 from karma_fx.budget import format_bytes, parse_budget
 from karma_fx.costs import estimate_costs
 from karma_fx.device import DeviceSpec, get_device
-from karma_fx.errors import InfeasibleBudgetError, UnsupportedModelError
+from karma_fx.errors import InfeasibleBudgetError, KarmaError, UnsupportedModelError
+from karma_fx.exchange import (DEFAULT_BUCKET_BYTES, GradientPipeline, OptimizerFactory, insert_gradient_hooks,
+                               param_storages_of)
 from karma_fx.passes.capture import _as_torch_compile_sees_it, _friendly_errors
 from karma_fx.passes.partition import make_partition_fn
 from karma_fx.plan import Plan
@@ -126,7 +128,8 @@ class KarmaModule(nn.Module):
     """What ``karma_fx.compile`` returns."""
 
     def __init__(self, model: nn.Module, budget: str | int | float, device: str | DeviceSpec | None,
-                 strategy: str | Strategy | None) -> None:
+                 strategy: str | Strategy | None, optimizer: OptimizerFactory | None = None,
+                 data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         parse_budget(budget, unplanned_peak_bytes=1 << 62)
         self.model = model
@@ -134,6 +137,14 @@ class KarmaModule(nn.Module):
         self.device_spec = get_device(device)
         self.strategy = strategy if strategy is not None else DEFAULT_STRATEGY
         self._variants: dict[Any, Compiled] = {}
+        self.pipeline: GradientPipeline | None = None
+        if optimizer is not None or data_parallel:
+            # In AOTAutograd's primal order: tied weights appear once per name (see _compile).
+            params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+            self.pipeline = GradientPipeline(params, optimizer=optimizer, data_parallel=data_parallel,
+                                             bucket_bytes=bucket_bytes)
+            if data_parallel:
+                _broadcast_from_rank0(model)
 
     @property
     def plan(self) -> Plan:
@@ -158,6 +169,8 @@ class KarmaModule(nn.Module):
         leaves, spec = pytree.tree_flatten((list(args), kwargs))
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in slots]
+        if self.pipeline is not None:
+            self.pipeline.wait_updates()  # the host optimizer may still be applying the last step
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors + list(self.model.parameters())):
             # Inference (no_grad, or nothing requires grad): no backward, nothing saved, nothing to plan.
             return self.model(*args, **kwargs)
@@ -177,10 +190,11 @@ class KarmaModule(nn.Module):
 
         holes = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         flat = _FlatStep(self.model, spec, holes, slots)
-        kinds = tuple(["param"] * len(dict(flat.named_parameters())) + ["buffer"] * len(dict(flat.named_buffers()))
-                      + ["input"] * len(tensors))
-        names = tuple(list(dict(flat.named_parameters())) + list(dict(flat.named_buffers()))
-                      + [f"input[{i}]" for i in range(len(tensors))])
+        # AOTAutograd lifts parameters and buffers once per *name* (tied weights twice), then the inputs.
+        param_names = list(dict(flat.named_parameters(remove_duplicate=False)))
+        buffer_names = list(dict(flat.named_buffers(remove_duplicate=False)))
+        kinds = tuple(["param"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * len(tensors))
+        names = tuple(param_names + buffer_names + [f"input[{i}]" for i in range(len(tensors))])
         result: dict[str, Any] = {}
         plan_fn = make_plan_fn(self.budget, self.strategy, self.device_spec, result)
 
@@ -192,16 +206,46 @@ class KarmaModule(nn.Module):
         def boxed(gm: fx.GraphModule, example_inputs: Any):
             return boxed_graph(gm)
 
+        pipeline = self.pipeline
+        param_slots = [i for i, k in enumerate(kinds) if k == "param"]
+
+        def boxed_backward(gm: fx.GraphModule, example_inputs: Any):
+            if pipeline is not None:
+                fw = result["graphs"][0]
+                insert_gradient_hooks(gm, param_slots, pipeline, param_storages_of(fw, param_slots))
+            return boxed_graph(gm)
+
         with _as_torch_compile_sees_it(), _friendly_errors("compiling the training step"):
-            fn = aot_module_simplified(flat, tuple(tensors), fw_compiler=boxed, bw_compiler=boxed,
+            fn = aot_module_simplified(flat, tuple(tensors), fw_compiler=boxed, bw_compiler=boxed_backward,
                                        partition_fn=partition)
         return Compiled(fn=fn, plan=result["plan"], graphs=result["graphs"], out_spec=flat.out_spec,
                         problem=result["problem"], costs=result["costs"])
 
 
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Start every rank from rank 0's weights and buffers, as ``DistributedDataParallel`` does."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
 def compile(model: nn.Module, *, budget: str | int | float, device: str | DeviceSpec | None = None,
-            strategy: str | Strategy | None = None) -> KarmaModule:
-    """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan."""
+            strategy: str | Strategy | None = None, optimizer: OptimizerFactory | None = None,
+            data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> KarmaModule:
+    """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan.
+
+    ``optimizer``: a callable building a PyTorch optimizer from a list of parameters (e.g.
+    ``functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)``); the update then runs on the host, bucket
+    by bucket, while backward goes on, and those parameters get no ``.grad`` (do not step an optimizer
+    yourself). ``data_parallel``: all-reduce gradients across the ``torch.distributed`` world in buckets of
+    ``bucket_bytes`` as backward produces them (launch with ``torchrun``); rank 0's weights are broadcast
+    first. See ``karma_fx.exchange``.
+    """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"karma_fx.compile takes an nn.Module, got {type(model).__name__}")
-    return KarmaModule(model, budget, device, strategy)
+    if optimizer is not None and not callable(optimizer):
+        raise KarmaError("optimizer must be a callable that builds a torch.optim.Optimizer from a parameter list, "
+                         "e.g. functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)")
+    return KarmaModule(model, budget, device, strategy, optimizer, data_parallel, bucket_bytes)

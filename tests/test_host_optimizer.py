@@ -1,0 +1,60 @@
+"""The host optimizer: PyTorch's own AdamW applied bucket by bucket while backward runs, exactly as usual."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import karma_fx
+from karma_fx.errors import KarmaError
+from karma_fx.zoo import build, output_to_loss
+
+from test_compile import budgets
+
+
+@pytest.mark.parametrize("name, strategy, fused, which", [("gpt2", "offload", True, 0), ("cnn", "checkpoint", False, 1)])
+def test_parameters_equal_adamw_run_the_ordinary_way(name, strategy, fused, which):
+    """``which`` picks the budget: the unplanned peak (offload moves everything anyway) or halfway to the floor."""
+    mid = budgets(name)[which]
+    model, args, kwargs = build(name, "tiny")
+    reference = copy.deepcopy(model)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=fused, foreach=not fused)
+    step = karma_fx.compile(model, budget=mid, strategy=strategy, optimizer=adamw, bucket_bytes=4096)
+    ordinary = adamw(reference.parameters())
+    for i in range(3):
+        torch.manual_seed(i)  # the same dropout masks
+        output_to_loss(step(*args, **kwargs)).backward()
+        torch.manual_seed(i)
+        output_to_loss(reference(*args, **kwargs)).backward()
+        ordinary.step()
+        ordinary.zero_grad()
+    step.pipeline.wait_updates()
+    assert len(step.pipeline.buckets) > 1 and step.plan.decisions
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is None, f"{n}: the host optimizer consumed its gradient"
+        assert ((p - q).abs().max() / q.abs().max().clamp_min(1e-30)).item() <= 1e-5, n
+    for (n, b), c in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(b, c), n
+
+
+def test_updates_overlap_backward():
+    model, args, kwargs = build("gpt2", "tiny")
+    step = karma_fx.compile(model, budget=1.0, strategy="keep", bucket_bytes=1024,
+                            optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    output_to_loss(step(*args, **kwargs)).backward()
+    step.pipeline.wait_updates()
+    events = {name: (start, end) for name, _, start, end in step.pipeline.trace_events}
+    assert events["host update bucket 0"][0] < events["backward"][1], "bucket 0 is updated while backward runs"
+
+
+def test_bad_optimizer_and_data_parallel_without_a_process_group():
+    model, args, kwargs = build("mlp", "tiny")
+    with pytest.raises(KarmaError, match="callable"):
+        karma_fx.compile(model, budget=1.0, optimizer="adamw")
+    with pytest.raises(KarmaError, match="init_process_group"):
+        karma_fx.compile(model, budget=1.0, data_parallel=True)
+    step = karma_fx.compile(model, budget=1.0, optimizer=lambda params: "not an optimizer")
+    with pytest.raises(KarmaError, match="torch.optim.Optimizer"):
+        output_to_loss(step(*args, **kwargs)).backward()
