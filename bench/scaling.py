@@ -22,7 +22,6 @@ from tabulate import tabulate
 
 import karma_fx
 from karma_fx.cluster import Cluster, parallel_step, weak_scaling_efficiency
-from karma_fx.errors import InfeasibleBudgetError
 from karma_fx.zoo import build
 
 MODELS = {"1.5B": dict(hidden=1600, layers=48, heads=25), "8.3B": dict(hidden=3072, layers=72, heads=32)}

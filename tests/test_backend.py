@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch._dynamo
 
-import karma_fx
 from karma_fx.backend import regions
 from karma_fx.errors import InfeasibleBudgetError, KarmaError, UnsupportedModelError
 from karma_fx.zoo import build, output_to_loss

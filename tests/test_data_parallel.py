@@ -5,7 +5,6 @@ others fail with a clear error instead of hanging; the first gradient bucket is 
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
