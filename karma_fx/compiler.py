@@ -87,7 +87,7 @@ def boxed_graph(gm: fx.GraphModule) -> Any:
 
 def make_plan_fn(budget: str | int | float, strategy: str | Strategy, device: DeviceSpec,
                  result: dict[str, Any], available_bytes: Callable[[int], int] | None = None,
-                 context: Callable[[], str] | None = None) -> Callable:
+                 context: Callable[[], str] | None = None, offload_weights: bool = False) -> Callable:
     """The planner the partitioner calls: estimate costs, plan with ``strategy`` under ``budget`` and record
     the problem and costs in ``result``; raises ``InfeasibleBudgetError`` naming the smallest budget known to
     work. ``available_bytes`` maps the parsed budget to what this region may use (graph breaks share it);
@@ -105,6 +105,10 @@ def make_plan_fn(budget: str | int | float, strategy: str | Strategy, device: De
 
             saved_set = lambda fraction: saved_storages(step, problem, fraction)  # noqa: E731
         chosen = make_strategy(strategy, saved_set) if isinstance(strategy, str) else strategy
+        if offload_weights:
+            from karma_fx.strategies.weights import WeightsOutOfCore
+
+            chosen = WeightsOutOfCore(chosen)
         raw = chosen(problem, costs, budget_bytes)
         timeline = simulate(problem, raw, costs)
         from karma_fx.api import finalize
@@ -112,7 +116,12 @@ def make_plan_fn(budget: str | int | float, strategy: str | Strategy, device: De
         plan = finalize(raw, problem, costs, timeline, keep, device=costs.device)
         result.update(problem=problem, costs=costs)
         if not plan.fits:
-            floor = leanest_peak(problem, costs)
+            if offload_weights:
+                from karma_fx.strategies.weights import leanest_streaming_peak
+
+                floor = leanest_streaming_peak(problem, costs)
+            else:
+                floor = leanest_peak(problem, costs)
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit the training step in {format_bytes(budget_bytes)} (its "
                 f"plan peaks at {format_bytes(plan.peak_bytes)}); the smallest budget known to work is "
@@ -129,7 +138,8 @@ class KarmaModule(nn.Module):
 
     def __init__(self, model: nn.Module, budget: str | int | float, device: str | DeviceSpec | None,
                  strategy: str | Strategy | None, optimizer: OptimizerFactory | None = None,
-                 data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 offload_weights: bool = False) -> None:
         super().__init__()
         parse_budget(budget, unplanned_peak_bytes=1 << 62)
         self.model = model
@@ -137,6 +147,11 @@ class KarmaModule(nn.Module):
         self.device_spec = get_device(device)
         self.strategy = strategy if strategy is not None else DEFAULT_STRATEGY
         self._variants: dict[Any, Compiled] = {}
+        self.offload_weights = offload_weights
+        if offload_weights and any(p.device.type != "cpu" for p in model.parameters()):
+            raise UnsupportedModelError(
+                "offload_weights=True is implemented for models whose weights are in host memory and run on the "
+                "CPU (where it is tested); streaming CUDA weights from pinned host memory is not implemented yet")
         self.pipeline: GradientPipeline | None = None
         if optimizer is not None or data_parallel:
             # In AOTAutograd's primal order: tied weights appear once per name (see _compile).
@@ -163,6 +178,10 @@ class KarmaModule(nn.Module):
         if not self._variants:
             raise RuntimeError("call the compiled module once first: plans are made for concrete inputs")
         variant = list(self._variants.values())[-1]
+        if self.offload_weights:
+            from karma_fx.strategies.weights import leanest_streaming_peak
+
+            return leanest_streaming_peak(variant.problem, variant.costs)
         return leanest_peak(variant.problem, variant.costs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -196,7 +215,8 @@ class KarmaModule(nn.Module):
         kinds = tuple(["param"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * len(tensors))
         names = tuple(param_names + buffer_names + [f"input[{i}]" for i in range(len(tensors))])
         result: dict[str, Any] = {}
-        plan_fn = make_plan_fn(self.budget, self.strategy, self.device_spec, result)
+        plan_fn = make_plan_fn(self.budget, self.strategy, self.device_spec, result,
+                               offload_weights=self.offload_weights)
 
         def on_done(problem, plan, fw, bw):
             result.update(plan=plan, graphs=(fw, bw))
@@ -233,7 +253,8 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 def compile(model: nn.Module, *, budget: str | int | float, device: str | DeviceSpec | None = None,
             strategy: str | Strategy | None = None, optimizer: OptimizerFactory | None = None,
-            data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> KarmaModule:
+            data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            offload_weights: bool = False) -> KarmaModule:
     """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan.
 
     ``optimizer``: a callable building a PyTorch optimizer from a list of parameters (e.g.
@@ -241,11 +262,13 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     by bucket, while backward goes on, and those parameters get no ``.grad`` (do not step an optimizer
     yourself). ``data_parallel``: all-reduce gradients across the ``torch.distributed`` world in buckets of
     ``bucket_bytes`` as backward produces them (launch with ``torchrun``); rank 0's weights are broadcast
-    first. See ``karma_fx.exchange``.
+    first. See ``karma_fx.exchange``. ``offload_weights``: parameters stay in host memory and stream through
+    the device window by window, gradients go to the host as soon as they exist, so the budget may be below
+    the weights' size (``karma_fx.strategies.weights``; CPU-tested, not implemented for CUDA weights yet).
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"karma_fx.compile takes an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not callable(optimizer):
         raise KarmaError("optimizer must be a callable that builds a torch.optim.Optimizer from a parameter list, "
                          "e.g. functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)")
-    return KarmaModule(model, budget, device, strategy, optimizer, data_parallel, bucket_bytes)
+    return KarmaModule(model, budget, device, strategy, optimizer, data_parallel, bucket_bytes, offload_weights)

@@ -49,7 +49,36 @@ class Recompute:
     reload_before: str
 
 
-Decision = Union[Offload, Recompute]
+@dataclass(frozen=True)
+class Window:
+    """One stay of a host-resident parameter on the device."""
+
+    prefetch_at: str
+    """Op at whose start the host→device copy is issued."""
+    reload_before: str
+    """First op of the window that reads the parameter; compute waits for the copy before it."""
+    free_after: str
+    """Last op of the window that reads it; the device copy is dropped after it."""
+
+
+@dataclass(frozen=True)
+class StreamWeight:
+    """A parameter that lives in host memory: copied to the device for each window of uses, dropped after
+    (KARMA's weights out of core: one window for its forward uses, one for its backward uses)."""
+
+    tensor: str
+    windows: tuple[Window, ...]
+
+
+@dataclass(frozen=True)
+class GradToHost:
+    """A parameter gradient copied to host memory as soon as it is produced; its device copy is dropped once
+    the copy lands, and the step returns the host copy."""
+
+    tensor: str
+
+
+Decision = Union[Offload, Recompute, StreamWeight, GradToHost]
 
 
 @dataclass(frozen=True)
@@ -95,6 +124,14 @@ class Plan:
     @property
     def recomputes(self) -> tuple[Recompute, ...]:
         return tuple(d for d in self.decisions if isinstance(d, Recompute))
+
+    @property
+    def streamed_weights(self) -> tuple[StreamWeight, ...]:
+        return tuple(d for d in self.decisions if isinstance(d, StreamWeight))
+
+    @property
+    def grads_to_host(self) -> tuple[GradToHost, ...]:
+        return tuple(d for d in self.decisions if isinstance(d, GradToHost))
 
     @property
     def slowdown(self) -> float | None:
@@ -178,9 +215,14 @@ class Plan:
         return cls.from_json(Path(path).read_text())
 
 
+_KINDS = {"offload": "Offload", "recompute": "Recompute", "stream_weight": "StreamWeight",
+          "grad_to_host": "GradToHost"}
+
+
 def _decision_to_dict(d: Decision) -> dict[str, Any]:
     body = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(d).items()}
-    return {"kind": type(d).__name__.lower(), **body}
+    kind = next(k for k, cls in _KINDS.items() if cls == type(d).__name__)
+    return {"kind": kind, **body}
 
 
 def _check_types(plan: Plan) -> None:
@@ -190,6 +232,12 @@ def _check_types(plan: Plan) -> None:
     if not isinstance(plan.strategy, str) or not isinstance(plan.budget_bytes, int) or isinstance(plan.budget_bytes, bool):
         raise PlanFormatError("malformed plan: strategy must be a string and budget_bytes an integer")
     for d in plan.decisions:
+        if isinstance(d, (StreamWeight, GradToHost)):
+            windows = d.windows if isinstance(d, StreamWeight) else ()
+            names = (d.tensor,) + tuple(getattr(w, f.name) for w in windows for f in dataclasses.fields(Window))
+            if not all(isinstance(n, str) for n in names) or not all(isinstance(w, Window) for w in windows):
+                raise PlanFormatError(f"malformed plan: decision {d} must name tensors and ops with strings")
+            continue
         names = (d.tensors + d.ops + (d.reload_before,)) if isinstance(d, Recompute) else tuple(
             getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "release_before") + (
             (d.release_before,) if d.release_before is not None else ())
@@ -208,4 +256,10 @@ def _decision_from_dict(data: dict[str, Any]) -> Decision:
         if not isinstance(data["tensors"], list) or not isinstance(data["ops"], list):
             raise TypeError("recompute tensors and ops must be lists")
         return Recompute(tensors=tuple(data["tensors"]), ops=tuple(data["ops"]), reload_before=data["reload_before"])
+    if kind == "stream_weight":
+        if not isinstance(data["windows"], list) or not all(isinstance(w, dict) for w in data["windows"]):
+            raise TypeError("stream_weight windows must be a list of objects")
+        return StreamWeight(tensor=data["tensor"], windows=tuple(Window(**w) for w in data["windows"]))
+    if kind == "grad_to_host":
+        return GradToHost(**data)
     raise KeyError(f"decision kind {kind!r}")

@@ -94,7 +94,10 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
     n_recomputed = sum(len(r.tensors) for r in plan.recomputes)
     lines.append(("decisions", f"{_count(len(plan.offloads), 'offload')}, "
                                f"{_count(len(plan.recomputes), 'recompute group')} "
-                               f"({_count(n_recomputed, 'tensor')} recomputed)"))
+                               f"({_count(n_recomputed, 'tensor')} recomputed)"
+                               + (f", {_count(len(plan.streamed_weights), 'weight')} streamed from the host, "
+                                  f"{_count(len(plan.grads_to_host), 'gradient')} sent to it"
+                                  if plan.streamed_weights or plan.grads_to_host else "")))
     for i, note in enumerate(plan.notes):
         lines.append(("notes" if i == 0 else "", note))
     return lines

@@ -30,7 +30,7 @@ from typing import Iterable
 
 from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
-from karma_fx.plan import Decision, Offload, Plan, Recompute, ScheduleRow
+from karma_fx.plan import Decision, GradToHost, Offload, Plan, Recompute, ScheduleRow, StreamWeight
 from karma_fx.problem import Problem
 
 
@@ -74,6 +74,18 @@ class _Item:
     writes: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _WindowLoad:
+    """One window of a streamed weight, shaped like an ``Offload`` for the prefetch/wait/free machinery (its
+    host copy always exists: no device-to-host copy precedes it)."""
+
+    tensor: str
+    prefetch_at: str
+    reload_before: str
+    free_after: str
+    index: int
+
+
 @dataclass
 class _Instance:
     storage: str
@@ -99,6 +111,18 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
 
     offloads = [d for d in decisions if isinstance(d, Offload)]
     recomputes = [d for d in decisions if isinstance(d, Recompute)]
+    streamed = [d for d in decisions if isinstance(d, StreamWeight)]
+    grads_out = {d.tensor for d in decisions if isinstance(d, GradToHost)}
+    for d in decisions:
+        if isinstance(d, StreamWeight):
+            if problem.has_storage(d.tensor) and problem.storage(d.tensor).kind != "param":
+                raise InvalidPlanError(f"{d.tensor} is not a parameter: only weights are streamed from the host")
+            if not d.windows and problem.has_storage(d.tensor) and problem.storage(d.tensor).users:
+                raise InvalidPlanError(f"{d.tensor} is streamed but has no window on the device")
+        if isinstance(d, GradToHost) and problem.has_storage(d.tensor):
+            st = problem.storage(d.tensor)
+            if st.kind != "gradient" or not st.is_output or st.producer is None:
+                raise InvalidPlanError(f"{d.tensor} is not a parameter gradient returned by the step")
     for d in decisions:
         for t in (d.tensors if isinstance(d, Recompute) else (d.tensor,)):
             if not problem.has_storage(t):
@@ -162,7 +186,25 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         offload_after_op[i_off].append(d)
         wait_before_item[first_item[i_rl]].append(d)
 
+    window_loads: list[_WindowLoad] = []
+    for d in streamed:
+        last_free = -1
+        for n, w in enumerate(d.windows):
+            i_pf, i_rl = op_at(w.prefetch_at, "window prefetch_at"), op_at(w.reload_before, "window reload_before")
+            i_fr = op_at(w.free_after, "window free_after")
+            if not (last_free < i_pf <= i_rl <= i_fr):
+                raise InvalidPlanError(f"{d.tensor}: windows need previous free_after < prefetch_at ≤ reload_before "
+                                       f"≤ free_after, got {w.prefetch_at}, {w.reload_before}, {w.free_after}")
+            last_free = i_fr
+            load = _WindowLoad(d.tensor, w.prefetch_at, w.reload_before, w.free_after, n)
+            window_loads.append(load)
+            prefetch_item[first_item[i_pf]].append(load)  # type: ignore[arg-type]
+            wait_before_item[first_item[i_rl]].append(load)  # type: ignore[arg-type]
+    streamed_names = {d.tensor for d in streamed}
+
     free_after_item: dict[int, list[Offload]] = defaultdict(list)
+    for load in window_loads:
+        free_after_item[op_item[op_at(load.free_after, "window free_after")]].append(load)  # type: ignore[arg-type]
     for sname, gs in gaps.items():
         gs.sort(key=lambda g: g[0])
         for a, b in zip(gs, gs[1:]):
@@ -177,7 +219,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
     current: dict[str, int | None] = {}
     arrivals: dict[int, list[str]] = defaultdict(list)
     for st in problem.storages:
-        if st.producer is None and n_ops:
+        if st.producer is None and n_ops and st.name not in streamed_names:
             arrivals[first_item[min(st.arrives_at, n_ops - 1)]].append(st.name)
 
     def new_instance(name: str, k: int) -> int:
@@ -192,6 +234,7 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         return inst
 
     offload_instance: dict[int, int] = {}  # id(offload) → the instance its copy reads
+    grad_copy_after: dict[int, list[int]] = defaultdict(list)  # op → gradient instances copied out after it
     recompute_frees: dict[int, list[str]] = defaultdict(list)  # op → tensors dropped after it for a recompute
     group_of = [0] * n_items
     for i in range(n_ops):
@@ -235,6 +278,10 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
         for sname in op.outputs:
             inst = new_instance(sname, k)
             item.writes.append(inst)
+            if r is None and sname in grads_out:
+                instances[inst].end = k  # leaves for the host right away (until its copy lands)
+                grad_copy_after[item.op].append(inst)
+                continue
             if r is None:
                 current[sname] = inst
                 continue
@@ -284,7 +331,8 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
             target = instances[prefetched_instance[id(d)]]  # written until the copy lands
             target.copy_end_us = max(target.copy_end_us, h2d_free)
             h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
-            host_events.append((h2d_free, -size))
+            if not isinstance(d, _WindowLoad):  # a streamed weight's host copy stays
+                host_events.append((h2d_free, -size))
         ready = max([h2d_end[id(d)] for d in wait_before_item.get(k, ())]
                     + [d2h_end[id(d)] for d in release_before_item.get(k, ())], default=t)
         if ready > t:
@@ -300,6 +348,13 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) ->
             recompute_total += duration
         t += duration
         if item.recompute is None:
+            for inst_id in grad_copy_after.get(item.op, ()):
+                inst = instances[inst_id]
+                begin = max(t, d2h_free)
+                d2h_free = begin + costs.copy_time_us(inst.size, "d2h")
+                d2h.append(Interval(inst.storage, begin, d2h_free, "offload"))
+                host_events.append((begin, inst.size))
+                inst.copy_end_us = max(inst.copy_end_us, d2h_free)
             for d in offload_after_op.get(item.op, ()):
                 size = problem.storage(d.tensor).size_bytes
                 begin = max(t, d2h_free)

@@ -29,7 +29,7 @@ import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma
 from karma_fx.errors import InvalidPlanError
 from karma_fx.passes.capture import CapturedStep
 from karma_fx.passes.liveness import _forward_nodes
-from karma_fx.plan import Offload, Plan, Recompute
+from karma_fx.plan import GradToHost, Offload, Plan, Recompute, StreamWeight
 from karma_fx.problem import Problem
 
 
@@ -108,10 +108,60 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
                     replaced[original] = clone
                     _unpack_now(graph, original, clone, replaced)
             _redirect(graph, readers, replaced, storage_of, op_names)
+    for d in plan.decisions:
+        if isinstance(d, StreamWeight):
+            _stream_weight(graph, nodes, d, storage_of, op_names, forward)
+        elif isinstance(d, GradToHost):
+            _grad_to_host(graph, d, storage_of)
     _stable_topological_order(graph)
     graph.lint()
     joint.recompile()
     return joint, forward_offloads
+
+
+def _stream_weight(graph: fx.Graph, nodes: dict[str, fx.Node], d: StreamWeight, storage_of: dict[str, str],
+                   op_names: set[str], forward: set[fx.Node]) -> None:
+    """The parameter stays on the host (its placeholder); each window prefetches a device copy and every
+    reader in the window (ops and recompute copies, directly or through views) reads that copy instead."""
+    aliases = {n for n in graph.nodes if storage_of.get(n.name) == d.tensor}
+    readers = list(dict.fromkeys(u for n in aliases for u in n.users if u not in aliases and u.op != "output"))
+    if not readers:
+        return
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    readers.sort(key=position.__getitem__)
+    placeholder = nodes[d.tensor]
+    previous_end = -1
+    for w in d.windows:
+        end = position[nodes[w.free_after]]
+        members = [r for r in readers if previous_end < position[r] <= end]
+        previous_end = end
+        if not members:
+            continue
+        with graph.inserting_before(nodes[w.prefetch_at] if position[nodes[w.prefetch_at]] < position[members[0]]
+                                    else members[0]):
+            fetched = graph.call_function(torch.ops.karma.prefetch.default, (placeholder, _device_of(placeholder)))
+        with graph.inserting_before(members[0]):
+            ready = graph.call_function(torch.ops.karma.wait.default, (fetched,))
+        phase = "forward" if members[0] in forward else "backward"
+        _copy_meta(fetched, placeholder, phase)
+        _copy_meta(ready, placeholder, phase)
+        _redirect(graph, members, {placeholder: ready}, storage_of, op_names | {fetched.name, ready.name})
+    late = [r for r in readers if position.get(r, -1) > previous_end]
+    if late:
+        raise InvalidPlanError(f"{d.tensor} is read by {late[0].name} after its last window on the device")
+
+
+def _grad_to_host(graph: fx.Graph, d: GradToHost, storage_of: dict[str, str]) -> None:
+    """The step returns a host copy of the gradient, made right after it is produced."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    for i, arg in enumerate(outs):
+        if isinstance(arg, fx.Node) and storage_of.get(arg.name) == d.tensor:
+            with graph.inserting_after(arg):
+                host = graph.call_function(torch.ops.karma.offload.default, (arg,))
+            _copy_meta(host, arg, "backward", device=torch.device("cpu"))
+            outs[i] = host
+    output.args = (tuple(outs),) if isinstance(output.args[0], tuple) else (outs,)
 
 
 def _stable_topological_order(graph: fx.Graph) -> None:
