@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--network-gbps", type=float, default=100.0)
     p.add_argument("--gpus-per-node", type=int, default=4)
     p.add_argument("--gpus", default=",".join(map(str, GPUS)))
+    p.add_argument("--weights", choices=("auto", "device", "host"), default="auto",
+                   help="where the weights live: on the device, streamed from the host (weights out of core), "
+                        "or auto: on the device when the step fits that way, else streamed")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     for name in a.models.split(","):
@@ -48,16 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         params = sum(t.numel() for t in model.parameters())
         prepared = karma_fx.prepare(model, args, kwargs, device=a.device)
         budget = a.budget if a.size == "real" else 1.0
-        planned = prepared.plan(budget, a.strategy, raise_if_infeasible=False)
+        planned = None
+        if a.weights != "host":
+            planned = prepared.plan(budget, a.strategy, raise_if_infeasible=False)
+        if planned is None or (a.weights == "auto" and not planned.plan.fits):
+            planned = prepared.plan(budget, a.strategy, raise_if_infeasible=False, offload_weights=True)
         plan = planned.plan
+        where = "streamed from the host" if plan.streamed_weights else "on the device"
         print(f"## Megatron GPT {name} ({params / 1e9:.2f}B parameters, {a.size}), batch {a.batch} per GPU, "
-              f"{a.device}, budget {plan.budget_bytes / 2**30:.2f} GiB, strategy {plan.strategy} "
+              f"{a.device}, budget {plan.budget_bytes / 2**30:.2f} GiB, strategy {plan.strategy}, weights {where} "
               f"(planned in {time.perf_counter() - start:.0f} s)")
         if not plan.fits:
-            floor = prepared.min_peak_bytes()
-            print(f"does not fit: the leanest plan peaks at {floor / 2**30:.2f} GiB > {plan.budget_bytes / 2**30:.2f} "
-                  f"GiB ({params * 8 / 2**30:.1f} GiB of it are fp32 weights and their gradients, which stay on "
-                  "the device: weights out of core are not implemented yet)\n")
+            print(f"does not fit: the best plan peaks at {plan.peak_bytes / 2**30:.2f} GiB > "
+                  f"{plan.budget_bytes / 2**30:.2f} GiB\n")
             continue
         rows = []
         for gpus in map(int, a.gpus.split(",")):

@@ -77,9 +77,15 @@ class Prepared:
         return make_strategy(strategy, saved_set)
 
     def plan(self, budget: str | int | float, strategy: str | Strategy | None = None, *,
-             raise_if_infeasible: bool = True) -> Planned:
+             raise_if_infeasible: bool = True, offload_weights: bool = False) -> Planned:
+        """Plan at ``budget``; ``offload_weights`` streams the parameters from host memory and sends their
+        gradients to it (``karma_fx.strategies.weights``), for steps whose weights do not fit."""
         budget_bytes = parse_budget(budget, self.unplanned_peak_bytes)
         chosen = self.strategy(strategy)
+        if offload_weights:
+            from karma_fx.strategies.weights import WeightsOutOfCore
+
+            chosen = WeightsOutOfCore(chosen)
         t0 = time.perf_counter()
         raw = chosen(self.problem, self.costs, budget_bytes)
         solve_s = time.perf_counter() - t0
@@ -87,6 +93,10 @@ class Prepared:
         plan = finalize(raw, self.problem, self.costs, timeline, self.keep, device=self.costs.device)
         if raise_if_infeasible and not plan.fits:
             floor = self.min_peak_bytes()
+            if offload_weights:
+                from karma_fx.strategies.weights import leanest_streaming_peak
+
+                floor = leanest_streaming_peak(self.problem, self.costs)
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit {self.problem.name} in {format_bytes(budget_bytes)}: its "
                 f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget known to work is "

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--plot", metavar="FILE", help="draw memory and the three streams (.png or .svg)")
     p_plan.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
     p_plan.add_argument("--max-rows", type=int, default=60, help="schedule rows to print (default 60; -1: all)")
+    p_plan.add_argument("--offload-weights", action="store_true",
+                        help="keep the weights in host memory and stream them through the device (weights out of "
+                             "core); gradients go to the host as soon as they exist")
     p_plan.add_argument("--nodes", type=int, default=None,
                         help="predict the data-parallel step on this many nodes (weak scaling: the batch is per GPU)")
     p_plan.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (with --nodes; default 1)")
@@ -183,7 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device_name = _check_device(args.device)
     cluster = _cluster(args)
     prepared = _prepare(args)
-    planned = prepared.plan(args.budget, args.strategy)
+    planned = prepared.plan(args.budget, args.strategy, offload_weights=args.offload_weights)
     plan = planned.plan
     max_rows = None if args.max_rows is not None and args.max_rows < 0 else args.max_rows
     print(f"{args.model} ({args.size}) on {device_name}, budget {args.budget} = {format_bytes(plan.budget_bytes)}")

@@ -6,7 +6,8 @@ KARMA's multi-node scheme, as we model it: every GPU runs the same out-of-core s
 after another, overlapping the rest of backward. With ``host_update`` (KARMA's default), each reduced bucket
 is then copied to the host (in the idle gaps of the device-to-host copy engine that the activation offloads
 leave), the optimizer updates its parameters there (``host_update_params_per_s``), and the updated weights go
-back to the device; only the last bucket — the first layers, which the next forward needs first — is waited
+back to the device (with weights out of core the plan already sends each gradient to the host, where it is
+exchanged, and the next step streams the weights in anyway); only the last bucket — the first layers, which the next forward needs first — is waited
 for, the rest lands while the next forward runs.
 
 All-reduce time per bucket (hierarchical, as NCCL does across nodes): a ring inside the node over NVLink,
@@ -98,12 +99,15 @@ class ParallelStep:
         return busy_us / self.step_time_us if self.step_time_us > 0 else 0.0
 
 
-def _gradient_ready_times(problem: Problem, timeline: Timeline) -> list[tuple[float, int]]:
-    """(time the gradient exists, bytes) for every parameter gradient, in production order."""
+def _gradient_ready_times(problem: Problem, timeline: Timeline) -> tuple[list[tuple[float, int]], bool]:
+    """(time the gradient exists, bytes) for every parameter gradient, in production order, and whether the
+    plan already sends them to the host (weights out of core: ready when that copy lands)."""
     end_of = {iv.label: iv.end_us for iv in timeline.compute if iv.kind == "op"}
-    ready = [(end_of[problem.ops[s.producer].name], s.size_bytes) for s in problem.storages
-             if s.kind == "gradient" and s.is_output and s.producer is not None]
-    return sorted(ready)
+    copied = {iv.label: iv.end_us for iv in timeline.d2h}
+    grads = [s for s in problem.storages if s.kind == "gradient" and s.is_output and s.producer is not None]
+    on_host = bool(grads) and all(s.name in copied for s in grads)
+    ready = [(copied[s.name] if on_host else end_of[problem.ops[s.producer].name], s.size_bytes) for s in grads]
+    return sorted(ready), on_host
 
 
 def _in_gaps(busy: list[tuple[float, float]], earliest: float, duration: float) -> tuple[float, float]:
@@ -122,7 +126,7 @@ def _in_gaps(busy: list[tuple[float, float]], earliest: float, duration: float) 
 
 def parallel_step(problem: Problem, timeline: Timeline, costs: Costs, cluster: Cluster) -> ParallelStep:
     """The data-parallel step time of ``timeline`` (one device's planned step) on ``cluster``."""
-    grads = _gradient_ready_times(problem, timeline)
+    grads, on_host = _gradient_ready_times(problem, timeline)
     buckets: list[tuple[float, int]] = []  # (ready time, bytes)
     ready, size = 0.0, 0
     for t, b in grads:
@@ -150,16 +154,21 @@ def parallel_step(problem: Problem, timeline: Timeline, costs: Costs, cluster: C
         if not cluster.host_update:
             end = max(end, done)
             continue
-        out = costs.copy_time_us(b, "d2h")
-        _, landed = _in_gaps(d2h, done, out)
+        landed = done
+        if not on_host:  # weights on the device: the reduced gradient goes out, the updated weights come back
+            out = costs.copy_time_us(b, "d2h")
+            _, landed = _in_gaps(d2h, done, out)
+            copy_busy += out
         begin = max(landed, host_free)
         host_free = begin + (b / 4) / cluster.host_update_params_per_s * 1e6  # fp32 master weights
         host.append(Interval(f"bucket {k}", begin, host_free, "update"))
-        back = costs.copy_time_us(b, "h2d")
-        _, back_end = _in_gaps(h2d, host_free, back)
-        copy_busy += out + back
+        ready_for_next = host_free
+        if not on_host:
+            back = costs.copy_time_us(b, "h2d")
+            _, ready_for_next = _in_gaps(h2d, host_free, back)
+            copy_busy += back
         if k == len(buckets) - 1:  # the first layers: the next forward starts with them
-            end = max(end, back_end)
+            end = max(end, ready_for_next)
     return ParallelStep(step_time_us=end, single_step_us=timeline.makespan_us,
                         compute_us=timeline.compute_us + timeline.recompute_us, copy_us=copy_busy,
                         allreduce_us=sum(iv.end_us - iv.start_us for iv in allreduce),

@@ -142,3 +142,11 @@ def test_plan_predicts_data_parallel_step(capsys):
     out = capsys.readouterr().out
     assert "4 node(s) x 2 GPU(s) = 8 GPUs" in out and "weak-scaling efficiency" in out
     assert main(["plan", "mlp", "--size", "tiny", "--nodes", "0"]) != 0
+
+
+def test_plan_with_weights_offloaded(capsys):
+    from karma_fx.cli import main
+
+    assert main(["plan", "mlp", "--size", "tiny", "--budget", "0.6", "--max-rows", "0", "--offload-weights"]) == 0
+    out = capsys.readouterr().out
+    assert "streamed from the host" in out
