@@ -152,3 +152,26 @@ def test_steady_state_over_twenty_steps():
             pool.append(host_pool.allocated_bytes)
     assert len(set(after[1:])) == 1, after
     assert len(set(pool[1:])) == 1 and pool[0] > 0, pool
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x[x > 0].reshape(-1, 4)) if x.sum().item() > 0 else self.lin(x)
+
+
+def test_data_dependent_ops_and_inputs_that_require_grad():
+    with pytest.raises(UnsupportedModelError, match="data-dependent|could not capture"):
+        karma_fx.compile(DataDependent(), budget=1.0)(torch.randn(8, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    compiled = karma_fx.compile(model, budget=1.0, strategy="checkpoint")
+    leaf = torch.randn(3, 4, requires_grad=True)
+    compiled(leaf * 2).sum().backward()  # a non-leaf input: the gradient flows on to the leaf
+    got = leaf.grad.clone()
+    leaf.grad = None
+    reference(leaf * 2).sum().backward()
+    assert torch.allclose(got, leaf.grad, rtol=1e-6, atol=0)
