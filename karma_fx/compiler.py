@@ -221,7 +221,11 @@ class KarmaModule(nn.Module):
         def on_done(problem, plan, fw, bw):
             result.update(plan=plan, graphs=(fw, bw))
 
-        partition = make_partition_fn(plan_fn, kinds, names, on_done)
+        slots = list(dict(flat.named_parameters(remove_duplicate=False)).values())
+        first_slot: dict[int, int] = {}
+        tied = tuple((first_slot.setdefault(id(t), i), i) for i, t in enumerate(slots)
+                     if first_slot.setdefault(id(t), i) != i)
+        partition = make_partition_fn(plan_fn, kinds, names, on_done, tied)
 
         def boxed(gm: fx.GraphModule, example_inputs: Any):
             return boxed_graph(gm)

@@ -72,3 +72,25 @@ def test_infeasible_budget_returns_the_leanest_plan():
     plan = CpSat(options=EXACT)(p, costs, 100)
     assert plan.status == "INFEASIBLE" and plan.decisions
     assert simulate(p, plan, costs).peak_bytes < simulate(p, (), costs).peak_bytes
+
+
+def test_plans_are_reproducible():
+    """Deterministic time limits and interleaved workers: the same problem gives the same plan, whatever the
+    machine load (two solves, the second while another process keeps the CPUs busy)."""
+    import subprocess
+    import sys
+
+    from helpers import random_costs, random_problem
+
+    problem = random_problem(10, [300, 500, 200, 800, 400, 600, 300, 700, 500, 200], [-1, -1, 0, -1, 2, -1, 4, -1, -1, 6],
+                             [3.0, 5.0, 1.0])
+    costs = random_costs(problem, [3.0, 5.0, 1.0], 200.0)
+    budget = int(0.6 * simulate(problem, (), costs).peak_bytes)
+    solve = CpSat(options=SolverOptions(time_limit_s=2, memory_unit_bytes=1))
+    first = solve(problem, costs, budget)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        second = solve(problem, costs, budget)
+    finally:
+        busy.kill()
+    assert first.decisions == second.decisions and first.status == second.status

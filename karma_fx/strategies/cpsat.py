@@ -18,7 +18,7 @@ from karma_fx.problem import Problem
 from karma_fx.strategies.base import Strategy, offload_for, saved_gaps, timeline_of
 from karma_fx.strategies.cpsat_capacity import solve_capacity
 from karma_fx.strategies.cpsat_model import (MEMORY_UNIT, TIME_SCALE, Candidate, add_decisions_and_memory, candidates,
-                                            chain_time, decisions_from)
+                                            chain_time, decisions_from, deterministic_solver)
 
 
 @dataclass(frozen=True)
@@ -128,13 +128,7 @@ class Model:
                                              if v[0] != "keep"})
 
     def _solver(self, options: SolverOptions, time_limit_s: float):
-        from ortools.sat.python import cp_model
-
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = time_limit_s
-        solver.parameters.num_workers = options.workers
-        solver.parameters.random_seed = options.seed
-        return solver
+        return deterministic_solver(time_limit_s, options.workers, options.seed)
 
     def evaluate(self, choices: dict[str, Choice], options: SolverOptions) -> tuple[float | None, list | None]:
         """The model's step time (µs) for fixed decisions, and a full assignment to hint with (None: infeasible

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from karma_fx.costs import Costs
 from karma_fx.problem import Problem
-from karma_fx.strategies.cpsat_model import TIME_SCALE, Candidate, add_decisions_and_memory, chain_time
+from karma_fx.strategies.cpsat_model import TIME_SCALE, Candidate, add_decisions_and_memory, chain_time, deterministic_solver
 
 Choice = tuple
 
@@ -75,10 +75,7 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     total_rec = sum(t(chain_time(costs, c)) * rec[c.name] for c in cands if c.name in rec)
     m.Minimize(total_rec + stall[sync[-1]])
 
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = seed
+    solver = deterministic_solver(time_limit_s, workers, seed)
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

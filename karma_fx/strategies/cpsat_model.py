@@ -211,3 +211,18 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
         m.Add(mem + sum(temps.get(i, ())) <= budget_units)
         previous = mem
     return dv
+
+
+def deterministic_solver(time_limit_s: float, workers: int, seed: int):
+    """A CP-SAT solver whose answer depends only on the model and the seed, not on machine load: its limit is
+    CP-SAT's deterministic time (work units of roughly a second each), its workers interleave their searches
+    in fixed batches, and a wall-clock cap of four times the limit only guards against a pathological run."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.max_time_in_seconds = 4 * time_limit_s
+    solver.parameters.num_workers = workers
+    solver.parameters.interleave_search = True
+    solver.parameters.random_seed = seed
+    return solver
