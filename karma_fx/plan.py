@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2 added the weights-out-of-core decisions (``stream_weight``, ``grad_to_host``)."""
+READABLE_VERSIONS = (1, 2)
+"""Version 1 plans (offload / recompute only) are still valid version 2 plans."""
 
 
 @dataclass(frozen=True)
@@ -180,8 +183,9 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise PlanFormatError(f"plan schema_version {version!r} is not {SCHEMA_VERSION}; re-plan the model")
+        if version not in READABLE_VERSIONS:
+            raise PlanFormatError(f"plan schema_version {version!r} is not one of {READABLE_VERSIONS}; "
+                                  "re-plan the model")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names - {"schema_version"}
         if unknown:
