@@ -56,7 +56,11 @@ def assert_same_training(model, compiled, args, kwargs, steps=3):
 @pytest.mark.parametrize("name, strategy", CASES)
 def test_gradients_equal_eager(name, strategy):
     ran = 0
-    for budget in budgets(name):
+    slow = strategy in ("torch-budget", "cpsat")  # planners taking seconds per plan: the tightest that fits
+    high, mid, low = budgets(name)
+    for budget in ([mid, low, high] if slow else [high, mid, low]):
+        if slow and ran:
+            break
         model, args, kwargs = build(name, "tiny")
         compiled = karma_fx.compile(model, budget=budget, strategy=strategy)
         try:
