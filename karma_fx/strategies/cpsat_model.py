@@ -213,10 +213,11 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
     return dv
 
 
-DETERMINISTIC_UNITS_PER_S = 0.1
+DETERMINISTIC_UNITS_PER_S = 0.25
 """CP-SAT deterministic-time units granted per second of ``time_limit_s``. Measured on this project's 2-core
-runner with 2 interleaved workers (GPT-2 real, 0.7 budget): the exact model's solve spent 4.2 units in 27-40 s
-of wall time, and a solve overshoots its unit limit by up to ~4x (it stops between interleaved batches)."""
+runner, 2 interleaved workers, GPT-2 real at a 0.7 budget: the capacity model used 6.1 units in 22 s and found
+its bound (at 1 unit it found nothing); the exact model used 1.9 units in 13 s. A solve overshoots its unit
+limit (it stops between interleaved batches)."""
 
 
 def deterministic_solver(time_limit_s: float, workers: int, seed: int):
