@@ -154,11 +154,13 @@ def karma_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict |
     with _friendly_errors("reading the compiled region"):
         kinds, names = _primal_kinds(gm, example_inputs)
     result: dict[str, Any] = {}
+
     def context() -> str:
         held = ledger.held_by_others(key)
         if not held:
             return ""
-        return (f"; the {len(ledger.regions)} region(s) compiled before this one (graph breaks) hold "
+        others = sum(1 for k in ledger.regions if k != key)
+        return (f"; the {others} region(s) compiled before this one (graph breaks) hold "
                 f"{format_bytes(held)} on the device while it runs, so the whole step needs a budget of at least "
                 f"{format_bytes(held)} plus this region's minimum; raise the budget or remove the graph breaks")
 
