@@ -134,11 +134,14 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,
-         device: str | DeviceSpec | None = None, strategy: str | Strategy | None = None) -> Plan:
+         device: str | DeviceSpec | None = None, strategy: str | Strategy | None = None,
+         offload_weights: bool = False) -> Plan:
     """Plan one training step of ``model(*args, **kwargs)`` under ``budget`` (bytes or a fraction).
 
     The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read.
+    ``offload_weights`` streams the weights from host memory (see ``Prepared.plan``).
     Raises ``InfeasibleBudgetError`` (naming the smallest workable budget) when the strategy cannot fit.
     """
     parse_budget(budget, unplanned_peak_bytes=1 << 62)  # reject nonsense before the (slow) capture
-    return prepare(model, args, kwargs, device=device).plan(budget, strategy).plan
+    prepared = prepare(model, args, kwargs, device=device)
+    return prepared.plan(budget, strategy, offload_weights=offload_weights).plan

@@ -109,3 +109,16 @@ def test_cuda_weights_are_refused_clearly():
     model = torch.nn.Linear(2, 2, device="meta")
     with pytest.raises(UnsupportedModelError, match="offload_weights"):
         karma_fx.compile(model, budget=1.0, offload_weights=True)
+
+
+def test_plan_a_model_whose_weights_exceed_the_device():
+    """A budget equal to Megatron GPT's fp32 weights: with weights and gradients resident nothing can fit;
+    streaming them does."""
+    from karma_fx.errors import InfeasibleBudgetError
+
+    model, args, kwargs = build("megatron_gpt", "tiny", device="meta")
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(InfeasibleBudgetError):
+        karma_fx.plan(model, args, kwargs, budget=weights, strategy="karma")
+    plan = karma_fx.plan(model, args, kwargs, budget=weights, strategy="karma", offload_weights=True)
+    assert plan.fits and plan.peak_bytes <= weights and plan.streamed_weights
