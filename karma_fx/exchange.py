@@ -126,12 +126,15 @@ class GradientPipeline:
         if current:
             self._buckets.append(_Bucket(current))
         self._bucket_of = {slot: k for k, b in enumerate(self._buckets) for slot in b.slots}
-        if self.optimizer_factory is not None and not self._optimizers:
-            # One optimizer per bucket of the first backward graph, kept for good (its state is the training
-            # state). A later graph may bucket differently: stepping an optimizer only updates the parameters
-            # that have a gradient, and its state is per parameter, so that stays exact.
+        if self.optimizer_factory is not None:
+            # One optimizer per bucket, made the first time its parameters appear and kept for good (its state
+            # is the training state). A later graph may bucket differently: stepping an optimizer only updates
+            # the parameters that have a gradient, and its state is per parameter, so that stays exact.
             for bucket in self._buckets:
-                masters = [self._master(slot) for slot in bucket.slots]
+                new = [slot for slot in bucket.slots if slot not in self._optimizer_of]
+                if not new:
+                    continue
+                masters = [self._master(slot) for slot in new]
                 try:
                     optimizer = self.optimizer_factory(masters)
                 except Exception as exc:  # noqa: BLE001 - a bad factory is the user's to fix
@@ -140,7 +143,7 @@ class GradientPipeline:
                 if not isinstance(optimizer, torch.optim.Optimizer):
                     raise KarmaError(f"optimizer must build a torch.optim.Optimizer, got {type(optimizer).__name__}")
                 self._optimizers.append(optimizer)
-                self._optimizer_of.update({slot: optimizer for slot in bucket.slots})
+                self._optimizer_of.update({slot: optimizer for slot in new})
 
     def _master(self, slot: int) -> torch.nn.Parameter:
         p = self.params[slot]
