@@ -184,7 +184,10 @@ class GradientPipeline:
 
             bucket.flat = torch.cat([bucket.grads[s].reshape(-1) for s in bucket.slots])
             start = time.perf_counter()
-            bucket.handle = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            try:
+                bucket.handle = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            except RuntimeError as exc:
+                raise _exchange_error(k, exc) from exc
             self.trace_events.append((f"all-reduce bucket {k} issued", "allreduce", start, time.perf_counter()))
         if self._worker is not None:
             self._pending.append(self._worker.submit(self._update, k))
@@ -198,9 +201,7 @@ class GradientPipeline:
         try:
             bucket.handle.wait()
         except RuntimeError as exc:
-            raise ExchangeError(f"the gradient all-reduce of bucket {k} failed: a rank died or did not answer "
-                                f"within the process group's timeout ({type(exc).__name__}: "
-                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from exc
+            raise _exchange_error(k, exc) from exc
         self.trace_events.append((f"all-reduce bucket {k} done", "allreduce", start, time.perf_counter()))
         assert bucket.flat is not None
         bucket.flat.div_(self.world_size)
@@ -258,6 +259,12 @@ class GradientPipeline:
         return {"traceEvents": [
             {"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": rows[cat], "ts": (s - base) * 1e6,
              "dur": max((e - s) * 1e6, 1.0)} for name, cat, s, e in self.trace_events]}
+
+
+def _exchange_error(bucket: int, exc: Exception) -> ExchangeError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return ExchangeError(f"the gradient all-reduce of bucket {bucket} failed: a rank died or did not answer within "
+                         f"the process group's timeout ({type(exc).__name__}: {first})")
 
 
 def gradient_ready(grad: torch.Tensor, pipeline: int, slot: int) -> None:
