@@ -92,11 +92,8 @@ class Prepared:
         timeline = simulate(self.problem, raw, self.costs)
         plan = finalize(raw, self.problem, self.costs, timeline, self.keep, device=self.costs.device)
         if raise_if_infeasible and not plan.fits:
-            floor = self.min_peak_bytes()
-            if offload_weights:
-                from karma_fx.strategies.weights import leanest_streaming_peak
-
-                floor = leanest_streaming_peak(self.problem, self.costs)
+            floor = (leanest_peak(self.problem, self.costs, stream_weights=True) if offload_weights
+                     else self.min_peak_bytes())
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit {self.problem.name} in {format_bytes(budget_bytes)}: its "
                 f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget known to work is "

@@ -116,12 +116,7 @@ def make_plan_fn(budget: str | int | float, strategy: str | Strategy, device: De
         plan = finalize(raw, problem, costs, timeline, keep, device=costs.device)
         result.update(problem=problem, costs=costs)
         if not plan.fits:
-            if offload_weights:
-                from karma_fx.strategies.weights import leanest_streaming_peak
-
-                floor = leanest_streaming_peak(problem, costs)
-            else:
-                floor = leanest_peak(problem, costs)
+            floor = leanest_peak(problem, costs, stream_weights=offload_weights)
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit the training step in {format_bytes(budget_bytes)} (its "
                 f"plan peaks at {format_bytes(plan.peak_bytes)}); the smallest budget known to work is "
@@ -178,11 +173,7 @@ class KarmaModule(nn.Module):
         if not self._variants:
             raise RuntimeError("call the compiled module once first: plans are made for concrete inputs")
         variant = list(self._variants.values())[-1]
-        if self.offload_weights:
-            from karma_fx.strategies.weights import leanest_streaming_peak
-
-            return leanest_streaming_peak(variant.problem, variant.costs)
-        return leanest_peak(variant.problem, variant.costs)
+        return leanest_peak(variant.problem, variant.costs, stream_weights=self.offload_weights)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((list(args), kwargs))

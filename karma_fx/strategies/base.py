@@ -188,8 +188,19 @@ def reconcile(problem: Problem, decisions: tuple[Decision, ...] | list[Decision]
     return tuple(out)
 
 
-def leanest_peak(problem: Problem, costs: Costs) -> int:
-    """The peak of the leanest activation plan: every saved activation swapped out synchronously right after
-    its last forward read and fetched back just in time. The floor quoted when a budget is infeasible."""
-    decisions = [offload_for(problem, g, release=True) for g in saved_gaps(problem)]
-    return min(simulate(problem, decisions, costs).peak_bytes, simulate(problem, (), costs).peak_bytes)
+def leanest_swaps(problem: Problem) -> tuple[Offload, ...]:
+    """The leanest activation plan: every saved activation swapped out synchronously right after its last
+    forward read and fetched back just in time."""
+    return tuple(offload_for(problem, g, release=True) for g in saved_gaps(problem))
+
+
+def leanest_peak(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> int:
+    """The peak of the leanest plan (``leanest_swaps``; with ``stream_weights`` also every weight streamed and
+    every gradient sent to the host). The floor quoted when a budget is infeasible."""
+    swaps = leanest_swaps(problem)
+    if stream_weights:
+        from karma_fx.strategies.weights import weight_streams
+
+        return min(simulate(problem, swaps + weight_streams(problem, swaps), costs).peak_bytes,
+                   simulate(problem, weight_streams(problem), costs).peak_bytes)
+    return min(simulate(problem, swaps, costs).peak_bytes, simulate(problem, (), costs).peak_bytes)

@@ -15,7 +15,7 @@ from typing import Sequence
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import Strategy, offload_for, saved_gaps, timeline_of
+from karma_fx.strategies.base import Strategy, leanest_swaps, timeline_of
 from karma_fx.strategies.cpsat_capacity import solve_capacity
 from karma_fx.strategies.cpsat_model import (MEMORY_UNIT, TIME_SCALE, Candidate, add_decisions_and_memory, candidates,
                                             chain_time, decisions_from, deterministic_solver)
@@ -256,7 +256,7 @@ class CpSat:
                                 lower_bound_us=max(bound, keep.makespan_us),
                                 predicted_step_time_us=round(predicted or objective, 3), notes=tuple(notes))
         if best is None:  # nothing fits: hand back the leanest plan, so the caller sees the lowest peak
-            lean = tuple(offload_for(problem, g, release=True) for g in saved_gaps(problem))
+            lean = leanest_swaps(problem)
             return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lean, status="INFEASIBLE",
                         notes=tuple(notes) + ("no plan fits: the leanest plan is returned",))
         return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1].decisions,

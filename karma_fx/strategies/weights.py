@@ -105,12 +105,3 @@ class WeightsOutOfCore:
         assert best is not None
         return best[1]
 
-
-def leanest_streaming_peak(problem: Problem, costs: Costs) -> int:
-    """The floor with weights out of core: every saved activation swapped out synchronously and fetched back
-    just in time, every weight streamed, every gradient sent to the host."""
-    from karma_fx.strategies.base import offload_for, saved_gaps
-
-    swaps = tuple(offload_for(problem, g, release=True) for g in saved_gaps(problem))
-    return min(simulate(problem, swaps + weight_streams(problem, swaps), costs).peak_bytes,
-               simulate(problem, weight_streams(problem), costs).peak_bytes)
