@@ -22,7 +22,7 @@ instead.
 """
 from __future__ import annotations
 
-import weakref
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,6 @@ from karma_fx.errors import KarmaError, UnsupportedModelError
 from karma_fx.passes.capture import _friendly_errors
 from karma_fx.passes.partition import make_partition_fn
 from karma_fx.plan import Plan
-from karma_fx.simulate import simulate
 from karma_fx.strategies import DEFAULT_STRATEGY
 from karma_fx.strategies.base import leanest_peak
 
@@ -52,8 +51,13 @@ class Region:
     plan: Plan
     graphs: tuple[fx.GraphModule, fx.GraphModule]
     held_bytes: int
-    min_budget_bytes: int
-    """The smallest budget known to work for this region alone (``leanest_peak``)."""
+    problem: Any = field(repr=False)
+    costs: Any = field(repr=False)
+
+    @functools.cached_property
+    def min_budget_bytes(self) -> int:
+        """The smallest budget known to work for this region alone (``leanest_peak``)."""
+        return leanest_peak(self.problem, self.costs)
 
 
 @dataclass
@@ -64,25 +68,18 @@ class _Ledger:
         return sum(r.held_bytes for k, r in self.regions.items() if k != key)
 
 
-_ledgers: dict[int, tuple[Any, _Ledger]] = {}
+_ledgers: dict[int, tuple[dict, _Ledger]] = {}
+"""Keyed by ``id`` of the options dict, which is held here too (a dict cannot be weakly referenced), so the
+id is never reused for another call's options."""
 
 
 def _ledger(options: dict) -> _Ledger:
     """The ledger of one ``torch.compile`` call, keyed by its options dict (Dynamo passes the same object to
     every region's backend call)."""
     entry = _ledgers.get(id(options))
-    if entry is None or entry[0]() is not options:
-        ref: Any = weakref.ref(options) if _weakrefable(options) else (lambda o=options: o)
-        entry = _ledgers[id(options)] = (ref, _Ledger())
+    if entry is None or entry[0] is not options:
+        entry = _ledgers[id(options)] = (options, _Ledger())
     return entry[1]
-
-
-def _weakrefable(obj: Any) -> bool:
-    try:
-        weakref.ref(obj)
-        return True
-    except TypeError:
-        return False
 
 
 def regions(options: dict) -> list[Region]:
@@ -167,10 +164,9 @@ def karma_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict |
     plan_fn = make_plan_fn(budget, strategy, device, result, available_bytes=available, context=context)
 
     def on_done(problem, plan, fw, bw):
-        timeline = simulate(problem, plan.decisions, result["costs"])
-        end_of_forward = timeline.memory[problem.num_fwd_ops - 1][1]
+        end_of_forward = result["timeline"].memory[problem.num_fwd_ops - 1][1]
         ledger.regions[key] = Region(key=key, plan=plan, graphs=(fw, bw), held_bytes=end_of_forward,
-                                     min_budget_bytes=leanest_peak(result["problem"], result["costs"]))
+                                     problem=problem, costs=result["costs"])
 
     partition = make_partition_fn(plan_fn, kinds, names, on_done)
 

@@ -89,7 +89,7 @@ def make_plan_fn(budget: str | int | float, strategy: str | Strategy, device: De
                  result: dict[str, Any], available_bytes: Callable[[int], int] | None = None,
                  context: Callable[[], str] | None = None, offload_weights: bool = False) -> Callable:
     """The planner the partitioner calls: estimate costs, plan with ``strategy`` under ``budget`` and record
-    the problem and costs in ``result``; raises ``InfeasibleBudgetError`` naming the smallest budget known to
+    the problem, costs and simulated timeline in ``result``; raises ``InfeasibleBudgetError`` naming the smallest budget known to
     work. ``available_bytes`` maps the parsed budget to what this region may use (graph breaks share it);
     ``context`` adds to the error what else holds the device."""
 
@@ -114,7 +114,7 @@ def make_plan_fn(budget: str | int | float, strategy: str | Strategy, device: De
         from karma_fx.api import finalize
 
         plan = finalize(raw, problem, costs, timeline, keep, device=costs.device)
-        result.update(problem=problem, costs=costs)
+        result.update(problem=problem, costs=costs, timeline=timeline)
         if not plan.fits:
             floor = leanest_peak(problem, costs, stream_weights=offload_weights)
             raise InfeasibleBudgetError(
