@@ -214,9 +214,12 @@ class KarmaModule(nn.Module):
 
         slots = list(dict(flat.named_parameters(remove_duplicate=False)).values())
         first_slot: dict[int, int] = {}
-        tied = tuple((first_slot.setdefault(id(t), i), i) for i, t in enumerate(slots)
-                     if first_slot.setdefault(id(t), i) != i)
-        partition = make_partition_fn(plan_fn, kinds, names, on_done, tied)
+        tied = []  # (first slot, later slot) of each weight lifted under two names
+        for i, t in enumerate(slots):
+            first = first_slot.setdefault(id(t), i)
+            if first != i:
+                tied.append((first, i))
+        partition = make_partition_fn(plan_fn, kinds, names, on_done, tuple(tied))
 
         def boxed(gm: fx.GraphModule, example_inputs: Any):
             return boxed_graph(gm)

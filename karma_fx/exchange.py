@@ -75,9 +75,6 @@ class GradientPipeline:
         self.id = next(_ids)
         _pipelines[self.id] = self
         self._order: list[int] = []
-        self._canonical: dict[int, int] = {}
-        self._expected: dict[int, int] = {}
-        self._partial: dict[int, tuple[torch.Tensor, int]] = {}
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -99,25 +96,14 @@ class GradientPipeline:
     def set_order(self, slots: list[int]) -> None:
         """Parameter slots in the order backward produces their gradients; makes the buckets.
 
-        A tied weight fills several slots (one per name); its gradient is the sum over them, complete when the
-        last one arrives, and it is bucketed under its first slot."""
-        first_slot: dict[int, int] = {}
-        for slot in range(len(self.params)):
-            first_slot.setdefault(id(self.params[slot]), slot)
-        self._canonical = {slot: first_slot[id(self.params[slot])] for slot in slots}
-        self._expected = {}
-        for slot in slots:
-            self._expected[self._canonical[slot]] = self._expected.get(self._canonical[slot], 0) + 1
-        self._partial: dict[int, tuple[torch.Tensor, int]] = {}
-        arrival: list[int] = []
-        for slot in slots:  # a tied weight is ready at its last slot
-            canonical = self._canonical[slot]
-            if canonical in arrival:
-                arrival.remove(canonical)
-            arrival.append(canonical)
+        A tied weight has a slot per name, but its gradients are summed inside the graph
+        (``sum_tied_gradients``), so backward hands each weight to the pipeline through one slot only."""
+        if len({id(self.params[slot]) for slot in slots}) != len(slots):
+            raise KarmaError("a tied weight reached the gradient pipeline through two slots: its gradients must "
+                             "be summed in the graph first (karma_fx.passes.partition.sum_tied_gradients)")
         self._order = list(slots)
         self._buckets, current, size = [], [], 0
-        for slot in arrival:
+        for slot in slots:
             current.append(slot)
             size += self.params[slot].numel() * self.params[slot].element_size()
             if size >= self.bucket_bytes:
@@ -164,16 +150,6 @@ class GradientPipeline:
         if slot == self._order[0]:
             self._backward_start = time.perf_counter()
             self.trace_events = []
-        canonical = self._canonical[slot]
-        if self._expected[canonical] > 1:
-            total, seen = self._partial.get(canonical, (None, 0))
-            total = grad.clone() if total is None else total.add_(grad)
-            if seen + 1 < self._expected[canonical]:
-                self._partial[canonical] = (total, seen + 1)
-                return
-            del self._partial[canonical]
-            grad = total
-        slot = canonical
         bucket = self._buckets[self._bucket_of[slot]]
         bucket.grads[slot] = grad
         if len(bucket.grads) < len(bucket.slots):
