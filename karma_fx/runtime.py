@@ -109,6 +109,17 @@ def is_host_tier(t: torch.Tensor) -> bool:
 _host_tier: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def _copy_on(stream, dst: torch.Tensor, src: torch.Tensor, keep_alive: torch.Tensor):
+    """Copy ``src`` into ``dst`` on ``stream`` (already ordered after what produced ``src``); the caching
+    allocator does not reuse ``keep_alive``'s memory until the copy is done. Returns the copy's event."""
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        keep_alive.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
 @torch.library.custom_op("karma::offload", mutates_args=())
 def offload(x: torch.Tensor) -> torch.Tensor:
     """Copy ``x`` to host memory (pinned, asynchronous on CUDA); returns the host tensor."""
@@ -117,12 +128,7 @@ def offload(x: torch.Tensor) -> torch.Tensor:
         d2h = _side_stream(x.device, "d2h")
         d2h.wait_stream(compute)
         host = host_pool.take(x, pinned=True)
-        with torch.cuda.stream(d2h):
-            host.copy_(x, non_blocking=True)
-            x.record_stream(d2h)
-            done = torch.cuda.Event()
-            done.record(d2h)
-        _copy_done[host] = done
+        _copy_done[host] = _copy_on(d2h, host, x, keep_alive=x)
     else:
         host = host_pool.take(x, pinned=False)
         host.copy_(x)
@@ -147,12 +153,7 @@ def prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         landed = _copy_done.get(host)
         if landed is not None:
             h2d.wait_event(landed)
-        with torch.cuda.stream(h2d):
-            out.copy_(host, non_blocking=True)
-            out.record_stream(h2d)
-            done = torch.cuda.Event()
-            done.record(h2d)
-        _copy_done[out] = done
+        _copy_done[out] = _copy_on(h2d, out, host, keep_alive=out)
         return out
     out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
     return out.copy_(host)
