@@ -59,7 +59,14 @@ class Prepared:
             self._min_peak = leanest_peak(self.problem, self.costs)
         return self._min_peak
 
-    def strategy(self, strategy: str | Strategy | None) -> Strategy:
+    def strategy(self, strategy: str | Strategy | None, *, offload_weights: bool = False) -> Strategy:
+        """The strategy to plan with: by name (``torch-budget`` and ``cpsat`` get PyTorch's saved-set oracle
+        for the captured graph, cached per fraction) or as given; wrapped in ``WeightsOutOfCore`` when
+        ``offload_weights``."""
+        if offload_weights:
+            from karma_fx.strategies.weights import WeightsOutOfCore
+
+            return WeightsOutOfCore(self.strategy(strategy))
         if strategy is None:
             strategy = DEFAULT_STRATEGY
         if not isinstance(strategy, str):
@@ -81,11 +88,7 @@ class Prepared:
         """Plan at ``budget``; ``offload_weights`` streams the parameters from host memory and sends their
         gradients to it (``karma_fx.strategies.weights``), for steps whose weights do not fit."""
         budget_bytes = parse_budget(budget, self.unplanned_peak_bytes)
-        chosen = self.strategy(strategy)
-        if offload_weights:
-            from karma_fx.strategies.weights import WeightsOutOfCore
-
-            chosen = WeightsOutOfCore(chosen)
+        chosen = self.strategy(strategy, offload_weights=offload_weights)
         t0 = time.perf_counter()
         raw = chosen(self.problem, self.costs, budget_bytes)
         solve_s = time.perf_counter() - t0

@@ -31,7 +31,7 @@ from karma_fx.passes.capture import _as_torch_compile_sees_it, _friendly_errors
 from karma_fx.passes.partition import make_partition_fn
 from karma_fx.plan import Plan
 from karma_fx.simulate import simulate
-from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
+from karma_fx.strategies import DEFAULT_STRATEGY, Strategy
 from karma_fx.strategies.base import leanest_peak
 
 
@@ -99,19 +99,11 @@ def make_plan_fn(budget: str | int | float, strategy: str | Strategy, device: De
         budget_bytes = parse_budget(budget, keep.peak_bytes)
         if available_bytes is not None:
             budget_bytes = available_bytes(budget_bytes)
-        saved_set = None
-        if strategy in ("torch-budget", "cpsat"):
-            from karma_fx.passes.torch_partition import saved_storages
+        from karma_fx.api import Prepared, finalize
 
-            saved_set = lambda fraction: saved_storages(step, problem, fraction)  # noqa: E731
-        chosen = make_strategy(strategy, saved_set) if isinstance(strategy, str) else strategy
-        if offload_weights:
-            from karma_fx.strategies.weights import WeightsOutOfCore
-
-            chosen = WeightsOutOfCore(chosen)
-        raw = chosen(problem, costs, budget_bytes)
+        prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step)
+        raw = prepared.strategy(strategy, offload_weights=offload_weights)(problem, costs, budget_bytes)
         timeline = simulate(problem, raw, costs)
-        from karma_fx.api import finalize
 
         plan = finalize(raw, problem, costs, timeline, keep, device=costs.device)
         result.update(problem=problem, costs=costs, timeline=timeline)
