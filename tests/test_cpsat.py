@@ -94,3 +94,19 @@ def test_plans_are_reproducible():
     finally:
         busy.kill()
     assert first.decisions == second.decisions and first.status == second.status
+
+
+@pytest.mark.parametrize("bytes_per_us, optimum", [(1000.0, 61.0), (10.0, 70.0)])
+def test_lower_bound_is_tight_on_the_chain(bytes_per_us, optimum):
+    """The bound reaches the known optima above (offload with a 1 µs stall; recompute A for 10 µs), and no
+    budget below what removing every saved activation reaches is called feasible."""
+    from karma_fx.strategies.bound import lower_bound_us
+
+    p = chain_problem()
+    costs = flat_costs(p, bytes_per_us=bytes_per_us)
+    base = [b for _, b in simulate(p, (), costs).memory]
+    assert lower_bound_us(p, costs, 3114, base) == pytest.approx(optimum, rel=1e-6)
+    assert lower_bound_us(p, costs, 3114, base, max_integer_vars=0) <= optimum  # the plain LP: weaker, valid
+    assert lower_bound_us(p, costs, 100, base) is None
+    plan = CpSat(options=EXACT)(p, costs, 3114)
+    assert plan.lower_bound_us == pytest.approx(optimum, rel=1e-6)

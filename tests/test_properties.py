@@ -9,10 +9,11 @@ from karma_fx.plan import Recompute
 from karma_fx.simulate import simulate
 from karma_fx.strategies import CpSat, SolverOptions, make_strategy
 from karma_fx.strategies.base import offload_for, saved_gaps
+from karma_fx.strategies.bound import lower_bound_us
 
 from helpers import random_costs, random_problem
 
-HEURISTICS = ("checkpoint", "offload", "karma")
+HEURISTICS = ("checkpoint", "offload", "karma", "greedy")
 
 
 @st.composite
@@ -76,3 +77,22 @@ def test_cpsat_fits_and_is_never_worse_than_a_heuristic(step):
         other = simulate(problem, h(problem, costs, budget), costs)
         if other.peak_bytes <= budget:
             assert tl.makespan_us <= other.makespan_us + 1e-6
+
+
+@SETTINGS
+@given(steps())
+def test_lp_bound_holds_for_every_plan_that_fits(step):
+    """The LP relaxes every executable plan: no strategy's simulated step beats it, and it never calls a
+    budget infeasible that a plan fits."""
+    problem, costs, fraction = step
+    budget, _, _ = budget_between(problem, costs, fraction)
+    base = [b for _, b in simulate(problem, (), costs).memory]
+    bound = lower_bound_us(problem, costs, budget, base)
+    assert bound is not None
+    assert bound >= sum(costs.op_time_us) * (1 - 1e-9)
+    lean = [offload_for(problem, g, release=True) for g in saved_gaps(problem)]
+    plans = [make_strategy(h)(problem, costs, budget).decisions for h in HEURISTICS] + [lean]
+    for decisions in plans:
+        tl = simulate(problem, decisions, costs)
+        if tl.peak_bytes <= budget:
+            assert tl.makespan_us >= bound * (1 - 1e-9)

@@ -1,0 +1,139 @@
+"""A proven lower bound on the step time of any activation plan at a budget: one MIP (SCIP) or LP (GLOP).
+
+Why a separate model: the CP-SAT models only choose among the options they are given (a few release and
+prefetch points, one recompute chain per tensor), so their bound holds inside that option space only; a
+heuristic outside it (a shared recompute chain, say) can beat it. This LP is a relaxation of *every* plan the
+runtime can execute, so no plan, ours or a baseline's, can be faster than it says.
+
+The relaxation, for every saved activation ``s`` (all of them, however small):
+
+* ``y_s`` in [0, 1]: recomputed. Recomputing ``s`` runs its producer again at least once, so it costs at least
+  the producer's time (shared equally among the saved outputs of a multi-output op);
+* ``x_s,i`` in [0, 1]: away on the host while op ``i`` runs (only inside ``s``'s gap, between its last forward
+  read and its first backward read), at most ``x_s``, with ``x_s + y_s <= 1``;
+* memory at every checked op ``i``: the unplanned bytes minus the sizes away or recomputed ``<= budget``;
+* time: ``T(k) = compute before k + S(k)`` with ``S`` non-decreasing (stalls and recomputes so far), and
+  the step takes at least ``T(end)``; every recompute is in ``S(end)``;
+* each copy stream is a capacity: whatever is away at op ``i`` and was produced at or after op ``a`` was
+  copied out between ``T(a)`` and ``T(i)``; whatever is away at ``i`` and is read again by op ``q`` came back
+  between ``T(i)`` and ``T(q)``; and all copies out (in) take at most the step time.
+
+Checking memory and time at a subset of ops only drops constraints, so the bound stays valid; the subset is
+what keeps the LP small on graphs of tens of thousands of ops. Plans that stream weights move other bytes and
+are not covered.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from karma_fx.costs import Costs
+from karma_fx.problem import Problem
+from karma_fx.strategies.base import saved_gaps
+
+_EXTRA = 1e-6  # GLOP's tolerances: the bound is taken a hair below the LP optimum
+
+
+def _spread(points: Sequence[int], count: int) -> list[int]:
+    points = sorted(set(points))
+    if len(points) <= count:
+        return points
+    step = (len(points) - 1) / (count - 1)
+    return sorted({points[round(k * step)] for k in range(count)})
+
+
+def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int], *,
+                   memory_points: int = 48, time_points: int = 48, max_integer_vars: int = 2_000,
+                   mip_nodes: int = 100) -> float | None:
+    """The bound on the step time (µs) of any activation plan that peaks within ``budget_bytes``, given the
+    unplanned step's device bytes at every op (``base_bytes``); ``None`` when no such plan exists at all (the
+    budget is below what removing every saved activation could reach).
+
+    Whether a tensor is away is really 0 or 1; a fraction of a tensor freeing a fraction of the bytes makes
+    the plain LP weak where one tensor decides (a 4-byte overshoot "solved" by 0.4% of a 1000-byte copy). Up
+    to ``max_integer_vars`` those choices are integral and SCIP's best bound after ``mip_nodes`` nodes is
+    taken (a node limit, not a time limit, so the bound is the same on every machine); above, the LP."""
+    from ortools.linear_solver import pywraplp
+
+    n = len(problem.ops)
+    prefix = [0.0]
+    for x in costs.op_time_us:
+        prefix.append(prefix[-1] + x)
+    over = [i for i in range(n) if base_bytes[i] > budget_bytes]
+    if not over:
+        return prefix[-1]
+    gaps = [g for g in saved_gaps(problem) if g.last_fwd_use + 1 < g.first_bwd_use]
+    worst = sorted(over, key=lambda i: -base_bytes[i])[: memory_points // 2]
+    checked = sorted(set(worst) | set(_spread(over, memory_points - len(worst))))
+    events = [g.storage.producer + 1 for g in gaps] + [g.first_bwd_use for g in gaps]
+    sync = sorted(set(checked) | set(_spread(events, time_points)) | {0, n})
+
+    integral = sum(1 for g in gaps for i in checked if g.last_fwd_use < i < g.first_bwd_use) <= max_integer_vars
+    lp = pywraplp.Solver.CreateSolver("SCIP") if integral else None
+    if lp is None:
+        integral, lp = False, pywraplp.Solver.CreateSolver("GLOP")
+    else:
+        lp.SetSolverSpecificParametersAsString(f"limits/nodes = {mip_nodes}\n")
+        lp.SetTimeLimit(120_000)  # a guard only: the node limit ends the search
+    inf = lp.infinity()
+    var01 = (lambda: lp.IntVar(0, 1, "")) if integral else (lambda: lp.NumVar(0, 1, ""))
+    stall = {k: lp.NumVar(0, inf, "") for k in sync}
+    for a, b in zip(sync, sync[1:]):
+        lp.Add(stall[a] <= stall[b])
+    lp.Add(stall[0] == 0)
+    end = stall[n]
+
+    outputs_saved: dict[int, int] = {}
+    for g in gaps:
+        outputs_saved[g.storage.producer] = outputs_saved.get(g.storage.producer, 0) + 1
+    recompute_terms = []
+    away: dict[int, list[tuple]] = {i: [] for i in checked}  # i -> [(gap, x_s,i)]
+    relief: dict[int, list] = {i: [] for i in checked}
+    for g in gaps:
+        size = g.storage.size_bytes
+        x = var01()
+        inside = [i for i in checked if g.last_fwd_use < i < g.first_bwd_use]
+        if problem.ops[g.storage.producer].recomputable:
+            y = var01()
+            lp.Add(x + y <= 1)
+            recompute_terms.append(costs.op_time_us[g.storage.producer] / outputs_saved[g.storage.producer] * y)
+        else:
+            y = None
+        for i in inside:
+            xi = var01()
+            lp.Add(xi <= x)
+            away[i].append((g, xi))
+            relief[i].append(size * xi + (size * y if y is not None else 0))
+    for i in checked:
+        lp.Add(sum(relief[i]) >= base_bytes[i] - budget_bytes)
+    if recompute_terms:
+        lp.Add(end >= sum(recompute_terms))
+
+    previous = dict(zip(sync[1:], sync))
+
+    # Stalls happen before an op starts, and a copy issued at a boundary can run during that stall: a window
+    # opens at the end of the op before it (the stall so far excludes the one at its first op) and closes at
+    # the start of its last op (after that op's stall).
+    def window(first: int, last: int):
+        opened = stall[previous[first]] if first in previous else 0
+        return prefix[last] - prefix[first] + stall[last] - opened
+
+    for i in checked:
+        for a in (k for k in sync if k <= i):
+            out = [costs.copy_time_us(g.storage.size_bytes, "d2h") * xi for g, xi in away[i] if g.storage.producer + 1 >= a]
+            if out:
+                lp.Add(sum(out) <= window(a, i))
+        for q in (k for k in sync if k > i):  # a prefetch issued at op p > i: its copy starts after op i ends
+            back = [costs.copy_time_us(g.storage.size_bytes, "h2d") * xi for g, xi in away[i] if g.first_bwd_use <= q]
+            if back:
+                lp.Add(sum(back) <= prefix[q] - prefix[i + 1] + stall[q] - stall[i])
+    lp.Minimize(end)
+    status = lp.Solve()
+    if status == pywraplp.Solver.INFEASIBLE:
+        return None
+    if integral and status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        value = lp.Objective().BestBound()
+    elif status == pywraplp.Solver.OPTIMAL:
+        value = lp.Objective().Value()
+    else:
+        return prefix[-1]  # no certificate beyond the compute itself
+    return prefix[-1] + max(0.0, value * (1 - _EXTRA) - _EXTRA)
