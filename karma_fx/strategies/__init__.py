@@ -10,13 +10,14 @@ from typing import Callable
 from karma_fx.strategies.base import Strategy
 from karma_fx.strategies.checkpoint import Checkpoint
 from karma_fx.strategies.cpsat import CpSat, SolverOptions
+from karma_fx.strategies.greedy import Greedy
 from karma_fx.strategies.karma import Karma
 from karma_fx.strategies.keep import Keep
 from karma_fx.strategies.offload import OffloadAll
 from karma_fx.strategies.torch_budget import SavedSetFn, TorchBudget
 
-STRATEGY_NAMES = ("keep", "checkpoint", "offload", "torch-budget", "karma", "cpsat")
-HEURISTICS = ("checkpoint", "offload", "torch-budget", "karma")
+STRATEGY_NAMES = ("keep", "checkpoint", "offload", "torch-budget", "karma", "greedy", "cpsat")
+HEURISTICS = ("checkpoint", "offload", "torch-budget", "karma", "greedy")
 DEFAULT_STRATEGY = "karma"  # cpsat becomes the default once it beats every heuristic (issue 3)
 
 
@@ -27,6 +28,7 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
         "checkpoint": Checkpoint,
         "offload": OffloadAll,
         "karma": Karma,
+        "greedy": Greedy,
     }
     if name == "torch-budget":
         if saved_set is None:
@@ -43,5 +45,5 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
     return factories[name]()
 
 
-__all__ = ["STRATEGY_NAMES", "HEURISTICS", "DEFAULT_STRATEGY", "CpSat", "SolverOptions", "Strategy", "make_strategy", "Checkpoint", "Karma", "Keep",
+__all__ = ["STRATEGY_NAMES", "HEURISTICS", "DEFAULT_STRATEGY", "CpSat", "SolverOptions", "Strategy", "make_strategy", "Checkpoint", "Greedy", "Karma", "Keep",
            "OffloadAll", "TorchBudget"]

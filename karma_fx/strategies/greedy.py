@@ -1,0 +1,171 @@
+"""``greedy``: a per-tensor swap-and-recompute heuristic driven by the concurrency model; cpsat's warm start.
+
+KARMA decides per block with one rule (swap if the copies hide, else recompute). Per tensor there is more
+room: the copy engines can carry a fixed number of bytes while the step computes, whatever layer they come
+from, and what recomputing costs varies a hundredfold between a matmul output and a pointwise one. So:
+
+1. swap the tensors that are dearest to recompute per byte and have the longest gaps, up to a byte quota
+   that the copy streams can carry (a grid of quotas around the forward's copy capacity is tried); each
+   prefetch is issued early enough for its copy to hide behind the backward before its first read;
+2. recompute the cheapest-per-byte of the rest (grouped by where the backward first needs them, so chains
+   share their ops), as few as make the step fit: a bisection, every probe judged by the simulator;
+3. keep the fastest plan that fits.
+"""
+from __future__ import annotations
+
+from karma_fx.costs import Costs
+from karma_fx.plan import Decision, Plan
+from karma_fx.problem import Problem
+from karma_fx.strategies.base import Gap, RecomputeBuilder, offload_for, reconcile, saved_gaps, timeline_of
+from karma_fx.strategies.torch_budget import decisions_for_saved
+
+QUOTAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+"""Swapped bytes as multiples of what the device→host stream can move during the forward."""
+LOOKAHEAD = 1.2
+"""Slack on every prefetch: its copy is planned to take this many times its modelled duration."""
+
+
+def rebuild_chain(problem: Problem, costs: Costs, gap: Gap, builder: RecomputeBuilder) -> tuple[float, set[str]] | None:
+    """The time to rebuild ``gap`` alone from what the step still holds at its first backward read, and the
+    storages that chain reads (``None``: it cannot be rebuilt)."""
+    if not problem.ops[gap.storage.producer or 0].recomputable:
+        return None
+    try:
+        r = builder.group([gap], {gap.storage.name})
+    except ValueError:
+        return None
+    ops = [problem.ops[problem.op_index(op)] for op in r.ops]
+    made = {s for op in ops for s in op.outputs}
+    return sum(costs.op_time_us[problem.op_index(op)] for op in r.ops), {s for op in ops for s in op.inputs} - made
+
+
+class Greedy:
+    name = "greedy"
+
+    def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
+        keep = timeline_of(problem, costs, ())
+        if keep.peak_bytes <= budget_bytes:
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, notes=("everything fits: nothing moves",))
+        builder = RecomputeBuilder(problem)
+        gaps = [g for g in saved_gaps(problem) if g.storage.size_bytes > 0]
+        chains = {g.storage.name: rebuild_chain(problem, costs, g, builder) for g in gaps}
+        rebuild = {name: chain and chain[0] for name, chain in chains.items()}
+        start = [0.0]
+        for x in costs.op_time_us:
+            start.append(start[-1] + x)
+        nf = problem.num_fwd_ops
+        fwd_capacity = start[nf] * costs.d2h_bytes_per_us
+
+        def dearness(g: Gap) -> float:  # recompute µs per MB; unrebuildable first
+            cost = rebuild[g.storage.name]
+            return float("inf") if cost is None else cost / g.storage.size_bytes * 1e6
+
+        # Long-gap, dear tensors first; a tensor whose gap cannot hide its two copies is never swapped.
+        swappable = [g for g in gaps
+                     if start[g.first_bwd_use] - start[g.storage.producer + 1]
+                     >= 2 * (costs.copy_time_us(g.storage.size_bytes, "d2h") + costs.copy_time_us(g.storage.size_bytes, "h2d"))]
+        swappable.sort(key=lambda g: (-dearness(g), g.storage.producer, g.storage.name))
+        cheap_first = sorted((g for g in gaps if rebuild[g.storage.name] is not None),
+                             key=lambda g: (dearness(g), -g.storage.size_bytes, g.storage.name))
+
+        best: tuple[tuple[int, float], tuple[Decision, ...], str] | None = None
+        lowest: tuple[int, float, tuple[Decision, ...], str] | None = None
+        for quota in QUOTAS:
+            swapped, total = [], 0
+            for g in swappable:
+                if total + g.storage.size_bytes <= quota * fwd_capacity:
+                    swapped.append(g)
+                    total += g.storage.size_bytes
+            away = {g.storage.name for g in swapped}
+            for pool in self._pools(gaps, cheap_first, chains, away):
+                found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, pool, start,
+                                  f"quota {quota:g}: {len(swapped)} swapped")
+                fits, key, decisions, label = found
+                if fits and (best is None or key < best[0]):
+                    best = (key, decisions, label)
+                if not fits and (lowest is None or key < lowest[:2]):
+                    lowest = (*key, decisions, label)
+        if best is not None:
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1], notes=(best[2],))
+        assert lowest is not None
+        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lowest[2],
+                    notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",))
+
+    @staticmethod
+    def _pools(gaps: list[Gap], cheap_first: list[Gap], chains: dict, away: set[str]) -> list[list[tuple[Gap, str]]]:
+        """Eviction orders beyond the swap quota, as (tensor, "recompute" | "swap"): recomputes cheapest
+        first, then swaps of everything left, so the last prefix is as lean as swapping can make it.
+
+        Two orders: every rebuildable tensor may be recomputed (chains grow as their inputs go too), or a
+        tensor is recomputed only from tensors that stay (kept or swapped back), so every chain stays as short
+        as it was alone; the first suits graphs of cheap pointwise runs, the second graphs that would
+        otherwise rebuild whole stretches from the input at once."""
+        free = [g for g in cheap_first if g.storage.name not in away]
+        local, dropped, pinned = [], set(), set()
+        for g in free:
+            name, reads = g.storage.name, chains[g.storage.name][1]
+            if name in pinned or reads & dropped:
+                continue
+            local.append(g)
+            dropped.add(name)
+            pinned |= reads
+        pools = []
+        for recomputed in (free, local):
+            chosen = away | {g.storage.name for g in recomputed}
+            pools.append([(g, "recompute") for g in recomputed] + [(g, "swap") for g in gaps if g.storage.name not in chosen])
+        return pools
+
+    @staticmethod
+    def _fit(problem: Problem, costs: Costs, budget_bytes: int, builder: RecomputeBuilder, gaps: list[Gap],
+             swapped: list[Gap], pool: list[tuple[Gap, str]], start: list[float], label: str):
+        """Evict the shortest prefix of ``pool`` that fits (bisection; the simulator judges every probe):
+        (fits, (peak or 0, step time), decisions, label)."""
+        everything = frozenset(g.storage.name for g in gaps)
+
+        def plan_with(k: int) -> tuple[Decision, ...]:
+            recomputed = {g.storage.name for g, kind in pool[:k] if kind == "recompute"}
+            swaps = just_in_time(problem, costs, swapped, start) \
+                + just_in_time(problem, costs, [g for g, kind in pool[:k] if kind == "swap"], start, release=True)
+            return reconcile(problem, swaps + decisions_for_saved(problem, everything - recomputed, builder))
+
+        def fits(k: int) -> bool:
+            return timeline_of(problem, costs, plan_with(k)).peak_bytes <= budget_bytes
+
+        # The peak is not monotone in the prefix (a recompute's temporaries can raise a backward peak), so scan
+        # in coarse steps for the first prefix that fits, then bisect back into the step before it.
+        step = max(1, len(pool) // 16)
+        marks = list(range(0, len(pool), step)) + [len(pool)]
+        hi = next((k for k in marks if fits(k)), None)
+        if hi is None:
+            top = timeline_of(problem, costs, plan_with(len(pool)))
+            return False, (top.peak_bytes, top.makespan_us), plan_with(len(pool)), label + f", all {len(pool)} evicted"
+        lo = max(0, hi - step + 1)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        decisions = plan_with(hi)
+        return True, (0, timeline_of(problem, costs, decisions).makespan_us), decisions, label + f", {hi} evicted"
+
+def just_in_time(problem: Problem, costs: Costs, swapped: list[Gap], start: list[float], *,
+                 release: bool = False) -> list[Decision]:
+    """Offloads right after production, prefetched as late as the FIFO host→device stream allows: walking the
+    backward's reads from last to first, each copy must end before its read and before the next copy starts
+    (times from the unplanned step; ``start[i]`` is when op i starts). ``release``: compute waits for each
+    copy out right after the tensor's last forward read, so its bytes are free from there whatever the copy
+    stream's backlog (the leanest swap); otherwise the bytes go when the copy is done."""
+    order = sorted(swapped, key=lambda g: (g.first_bwd_use, g.storage.producer, g.storage.name))
+    out: list[Decision] = []
+    next_start = float("inf")
+    at = len(start) - 1
+    for g in reversed(order):
+        begin = min(start[g.first_bwd_use], next_start) - LOOKAHEAD * costs.copy_time_us(g.storage.size_bytes, "h2d")
+        floor = max(problem.num_fwd_ops, g.last_fwd_use + 1)
+        at = min(at, g.first_bwd_use)
+        while at > floor and start[at] > begin:
+            at -= 1
+        out.append(offload_for(problem, g, prefetch_at=max(at, floor), release=release))
+        next_start = begin
+    return out[::-1]
