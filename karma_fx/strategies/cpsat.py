@@ -16,6 +16,7 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import Strategy, leanest_swaps, timeline_of
+from karma_fx.strategies.bound import lower_bound_us
 from karma_fx.strategies.cpsat_capacity import solve_capacity
 from karma_fx.strategies.cpsat_model import (MEMORY_UNIT, TIME_SCALE, Candidate, add_decisions_and_memory, candidates,
                                             chain_time, decisions_from, deterministic_solver)
@@ -31,7 +32,7 @@ class SolverOptions:
     memory_unit_bytes: int = MEMORY_UNIT
     """Granularity of the memory constraints; candidates smaller than this stay on the device."""
     good_enough_gap: float = 0.01
-    """Skip the exact model when the best heuristic is proven within this fraction of the capacity bound."""
+    """Skip the CP-SAT models when the best heuristic is proven within this fraction of the LP bound."""
 
 
 @dataclass
@@ -201,35 +202,41 @@ class CpSat:
         if keep.peak_bytes <= budget_bytes:
             return Plan(strategy=self.name, budget_bytes=budget_bytes, status="OPTIMAL",
                         lower_bound_us=keep.makespan_us, notes=("everything fits: nothing moves",))
+        base = [b for _, b in keep.memory]
+        opts = self.options
+        # The LP relaxation of every plan: a proven lower bound, or a proof that nothing fits at all.
+        proven = lower_bound_us(problem, costs, budget_bytes, base)
+        if proven is None:
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_swaps(problem),
+                        status="INFEASIBLE", notes=("the LP relaxation proves that no plan fits: the leanest plan "
+                                                    "is returned",))
+        notes: list[str] = [f"LP lower bound {proven / 1e3:.3f} ms"]
         best: tuple[float, Plan] | None = None
         for strategy in self.fallbacks:
             plan = strategy(problem, costs, budget_bytes)
             tl = timeline_of(problem, costs, plan.decisions)
             if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us < best[0]):
                 best = (tl.makespan_us, plan)
-        cands = candidates(problem, min_bytes=self.options.memory_unit_bytes)
-        notes: list[str] = [f"{len(cands)} candidates"]
-        proven: float | None = None  # a lower bound on the step time, when the capacity model gave one
-        if len(cands) > self.options.max_candidates:
-            notes.append(f"more than {self.options.max_candidates} candidates: whole-graph model skipped")
+
+        def fallback(*why: str) -> Plan:
+            assert best is not None
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1].decisions,
+                        status=f"FALLBACK:{best[1].strategy}", lower_bound_us=proven,
+                        notes=tuple(notes) + why + best[1].notes)
+
+        if best is not None and best[0] <= proven * (1 + opts.good_enough_gap):
+            return fallback(f"{best[1].strategy} is within {best[0] / proven - 1:.2%} of the LP bound: CP-SAT skipped")
+        cands = candidates(problem, min_bytes=opts.memory_unit_bytes)
+        notes.append(f"{len(cands)} candidates")
+        if len(cands) > opts.max_candidates:
+            notes.append(f"more than {opts.max_candidates} candidates: whole-graph model skipped")
             cands = []
         if cands:
-            base = [b for _, b in keep.memory]
-            opts = self.options
-            # Phase 1: the all-linear capacity model picks the decisions (tight LP bound).
-            # It gets the larger share of the time: its bound is what certifies a plan, and at real sizes the
-            # exact model below rarely improves on its start (GPT-2 at 0.7: never in our runs).
+            # Phase 1: the all-linear capacity model picks decisions among the candidates' options.
             phase1 = solve_capacity(problem, costs, budget_bytes, base, cands, time_limit_s=opts.time_limit_s,
                                     workers=opts.workers, seed=opts.seed, unit=opts.memory_unit_bytes)
             if phase1 is not None:
-                proven = bound_us = max(phase1[1], keep.makespan_us)
-                notes.append(f"capacity model {phase1[2]}, bound {phase1[1] / 1e3:.3f} ms")
-                if best is not None and best[0] <= bound_us * (1 + opts.good_enough_gap):
-                    gap = best[0] / bound_us - 1
-                    return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1].decisions,
-                                status=f"FALLBACK:{best[1].strategy}", lower_bound_us=bound_us,
-                                notes=tuple(notes) + (f"{best[1].strategy} is within {gap:.2%} of the proven bound: "
-                                                      "exact model skipped",) + best[1].notes)
+                notes.append(f"capacity model {phase1[2]} (bound {phase1[1] / 1e3:.3f} ms within its options)")
             # Phase 2: the exact FIFO model times them, and polishes from the best start it is given.
             model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes)
             starts = [leanest_choices(cands)] + ([phase1[0]] if phase1 else []) \
@@ -243,22 +250,18 @@ class CpSat:
             if result is None:
                 notes.append("solver found no plan in its time limit")
             else:
-                status, choices, objective, bound = result
-                if phase1 is not None:
-                    bound = max(bound, phase1[1])
+                status, choices, objective, _ = result
                 decisions = model.decisions(choices)
                 predicted, _ = model.evaluate(choices, opts)
                 tl = timeline_of(problem, costs, decisions)
-                notes.append(f"exact model {status}: predicted {(predicted or objective) / 1e3:.3f} ms, simulated "
-                             f"{tl.makespan_us / 1e3:.3f} ms")
+                notes.append(f"exact model {status} among its options: predicted {(predicted or objective) / 1e3:.3f} "
+                             f"ms, simulated {tl.makespan_us / 1e3:.3f} ms")
                 if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
                     return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions, status=status,
-                                lower_bound_us=max(bound, keep.makespan_us),
-                                predicted_step_time_us=round(predicted or objective, 3), notes=tuple(notes))
+                                lower_bound_us=proven, predicted_step_time_us=round(predicted or objective, 3),
+                                notes=tuple(notes))
         if best is None:  # nothing fits: hand back the leanest plan, so the caller sees the lowest peak
-            lean = leanest_swaps(problem)
-            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lean, status="INFEASIBLE",
-                        notes=tuple(notes) + ("no plan fits: the leanest plan is returned",))
-        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1].decisions,
-                    status=f"FALLBACK:{best[1].strategy}", lower_bound_us=proven,
-                    notes=tuple(notes) + best[1].notes)
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_swaps(problem),
+                        status="INFEASIBLE", lower_bound_us=proven,
+                        notes=tuple(notes) + ("no plan found fits: the leanest plan is returned",))
+        return fallback()

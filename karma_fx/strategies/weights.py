@@ -95,7 +95,8 @@ class WeightsOutOfCore:
             timeline = simulate(problem, decisions, costs)
             fits = timeline.peak_bytes <= budget_bytes
             key = (0 if fits else 1, timeline.makespan_us if fits else float(timeline.peak_bytes))
-            plan = replace(inner, budget_bytes=budget_bytes, decisions=decisions,
+            # The inner plan's lower bound covers activation plans of the lighter step only: not this one.
+            plan = replace(inner, budget_bytes=budget_bytes, decisions=decisions, lower_bound_us=None,
                            notes=tuple(inner.notes) + ("weights streamed from the host, gradients sent to it",))
             if best is None or key < best[0]:
                 best = (key, plan)
