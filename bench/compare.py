@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
 from typing import Any
 
 from karma_fx.api import prepare
+from karma_fx.strategies.bound import lower_bound_us
 from karma_fx.budget import format_bytes, parse_budget
 from karma_fx.errors import KarmaError
 from karma_fx.report import compare_table
 from karma_fx.strategies import STRATEGY_NAMES
 from karma_fx.zoo import build
+from tabulate import tabulate
 
 KARMA_MODELS = ("resnet50", "vgg16", "resnet200", "wrn28_10", "resnet1001", "megatron_gpt")
 LLM_MODELS = ("gpt2", "bert", "llama")
@@ -37,7 +40,12 @@ def run(models: list[str], strategies: list[str], budgets: list[str], *, size: s
         prep_s = time.perf_counter() - t0
         head = {"model": name, "ops": len(prepared.problem.ops), "unplanned_peak_bytes": prepared.unplanned_peak_bytes,
                 "min_peak_bytes": prepared.min_peak_bytes(), "unlimited_ms": prepared.keep.makespan_us / 1e3,
-                "prepare_s": prep_s, "cells": [], "strategy_s": {}}
+                "prepare_s": prep_s, "cells": [], "strategy_s": {}, "bound": {}}
+        base = [b for _, b in prepared.keep.memory]
+        for budget in budgets:  # the proven lower bound on any plan's step time (None: no plan can fit)
+            bound = lower_bound_us(prepared.problem, prepared.costs,
+                                   parse_budget(budget, prepared.unplanned_peak_bytes), base)
+            head["bound"][budget] = bound and bound / prepared.keep.makespan_us
         for strategy in strategies:
             t1 = time.perf_counter()
             for budget in budgets:
@@ -61,9 +69,45 @@ def print_model(head: dict[str, Any], device: str) -> None:
           f"{format_bytes(head['unplanned_peak_bytes'])}, lowest reachable peak {format_bytes(head['min_peak_bytes'])}, "
           f"unlimited-memory step {head['unlimited_ms']:.1f} ms")
     print(compare_table(head["cells"], tablefmt="github"))
+    print("lower bound (LP relaxation of every plan): " + ", ".join(
+        f"{b}: {'no plan fits' if v is None else f'{v:.3f}x'}" for b, v in head["bound"].items()))
     print("planning: capture+liveness+costs {:.1f} s; ".format(head["prepare_s"])
           + ", ".join(f"{s} {t:.1f} s" for s, t in head["strategy_s"].items())
           + f" (for {len({c['budget'] for c in head['cells']})} budgets)")
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summary(results: list[dict[str, Any]], ours: str = "cpsat") -> str:
+    """The issue's targets per budget: speedup of ``ours`` over offload and torch-budget (geometric mean over
+    the models where both fit), its average gap to the proven bound, the cells only it fits, and every cell
+    where another strategy beats it."""
+    budgets = list(dict.fromkeys(c["budget"] for r in results for c in r["cells"]))
+    rows, losses = [], []
+    for b in budgets:
+        speed = {"offload": [], "torch-budget": []}
+        gaps, only = [], 0
+        for r in results:
+            cells = {c["strategy"]: c for c in r["cells"] if c["budget"] == b}
+            mine = cells.get(ours)
+            if not mine or not mine.get("fits"):
+                continue
+            for other in speed:
+                if cells.get(other, {}).get("fits"):
+                    speed[other].append(cells[other]["slowdown"] / mine["slowdown"])
+            if r["bound"].get(b):
+                gaps.append(mine["slowdown"] / r["bound"][b] - 1)
+            if not any(c.get("fits") for s, c in cells.items() if s != ours):
+                only += 1
+            losses += [f"{r['model']} at {b}: {s} {c['slowdown']:.3f}x < {mine['slowdown']:.3f}x"
+                       for s, c in cells.items() if s != ours and c.get("fits") and c["slowdown"] < mine["slowdown"] - 1e-9]
+        rows.append([b, *(f"{geomean(v):.2f}x ({len(v)})" if v else "—" for v in speed.values()),
+                     f"{sum(gaps) / len(gaps):.1%} ({len(gaps)})" if gaps else "—", only])
+    table = tabulate(rows, headers=["budget", f"{ours} vs offload", f"{ours} vs torch-budget",
+                                    "mean gap to bound", f"only {ours} fits"], tablefmt="github")
+    return table + "\n" + ("\n".join(["cells another strategy wins:"] + losses) if losses else f"{ours} is never beaten")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = run(a.models.split(","), a.strategies.split(","), a.budgets.split(","), size=a.size, device=a.device)
+    if "cpsat" in a.strategies.split(","):
+        print("\n## Targets (geometric mean over the models where both fit; in brackets how many)")
+        print(summary(results))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1)
