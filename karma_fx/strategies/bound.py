@@ -29,16 +29,9 @@ from typing import Sequence
 from karma_fx.costs import Costs
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import saved_gaps
+from karma_fx.strategies.cpsat_capacity import spread_evenly
 
 _EXTRA = 1e-6  # GLOP's tolerances: the bound is taken a hair below the LP optimum
-
-
-def _spread(points: Sequence[int], count: int) -> list[int]:
-    points = sorted(set(points))
-    if len(points) <= count:
-        return points
-    step = (len(points) - 1) / (count - 1)
-    return sorted({points[round(k * step)] for k in range(count)})
 
 
 def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int], *,
@@ -63,9 +56,9 @@ def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
         return prefix[-1]
     gaps = [g for g in saved_gaps(problem) if g.last_fwd_use + 1 < g.first_bwd_use]
     worst = sorted(over, key=lambda i: -base_bytes[i])[: memory_points // 2]
-    checked = sorted(set(worst) | set(_spread(over, memory_points - len(worst))))
+    checked = sorted(set(worst) | set(spread_evenly(over, memory_points - len(worst))))
     events = [g.storage.producer + 1 for g in gaps] + [g.first_bwd_use for g in gaps]
-    sync = sorted(set(checked) | set(_spread(events, time_points)) | {0, n})
+    sync = sorted(set(checked) | set(spread_evenly(sorted(set(events)), time_points)) | {0, n})
 
     integral = sum(1 for g in gaps for i in checked if g.last_fwd_use < i < g.first_bwd_use) <= max_integer_vars
     lp = pywraplp.Solver.CreateSolver("SCIP") if integral else None

@@ -18,7 +18,8 @@ from karma_fx.strategies.cpsat_model import TIME_SCALE, Candidate, add_decisions
 Choice = tuple
 
 
-def _even(points: list[int], count: int) -> list[int]:
+def spread_evenly(points: list[int], count: int) -> list[int]:
+    """At most ``count`` of the sorted ``points``, evenly spaced, first and last included."""
     if len(points) <= count:
         return points
     step = (len(points) - 1) / (count - 1)
@@ -39,9 +40,9 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     rec, rel, pre = dv.rec, dv.rel, dv.pre
 
     # Time at sync points: compute prefix + recomputes before it + cumulative stall.
-    fwd_sync = _even(sorted({0, nf} | {c.producer + 1 for c in cands} | {r for c in cands for r in c.releases}),
+    fwd_sync = spread_evenly(sorted({0, nf} | {c.producer + 1 for c in cands} | {r for c in cands for r in c.releases}),
                      sync_points)
-    bwd_sync = _even(sorted({nf, n} | {p for c in cands for p in c.prefetches} | {c.first_bwd for c in cands}),
+    bwd_sync = spread_evenly(sorted({nf, n} | {p for c in cands for p in c.prefetches} | {c.first_bwd for c in cands}),
                      sync_points)
     sync = sorted(set(fwd_sync) | set(bwd_sync))
     prefix = [0]
