@@ -28,7 +28,7 @@ from typing import Sequence
 
 from karma_fx.costs import Costs
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import saved_gaps
+from karma_fx.strategies.base import _alive_at, saved_gaps
 from karma_fx.strategies.cpsat_capacity import spread_evenly
 
 _EXTRA = 1e-6  # GLOP's tolerances: the bound is taken a hair below the LP optimum
@@ -75,20 +75,30 @@ def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     lp.Add(stall[0] == 0)
     end = stall[n]
 
-    outputs_saved: dict[int, int] = {}
-    for g in gaps:
-        outputs_saved[g.storage.producer] = outputs_saved.get(g.storage.producer, 0) + 1
-    recompute_terms = []
+    rerun: dict[int, object] = {}  # op -> r_o: the op runs again (its time counted once, for all its outputs)
+
+    def rerun_of(op: int):
+        if op not in rerun:
+            rerun[op] = var01()
+        return rerun[op]
+
     away: dict[int, list[tuple]] = {i: [] for i in checked}  # i -> [(gap, x_s,i)]
     relief: dict[int, list] = {i: [] for i in checked}
-    for g in gaps:
+    copies_out, copies_in = [], []
+    saved = {g.storage.name for g in gaps}
+    temps: dict[str, object] = {}  # dead forward temporary -> its "rebuilt" variable
+    for g in sorted(gaps, key=lambda g: (g.first_bwd_use, g.storage.name)):
         size = g.storage.size_bytes
         x = var01()
+        copies_out.append(costs.copy_time_us(size, "d2h") * x)
+        copies_in.append(costs.copy_time_us(size, "h2d") * x)
         inside = [i for i in checked if g.last_fwd_use < i < g.first_bwd_use]
         if problem.ops[g.storage.producer].recomputable:
             y = var01()
             lp.Add(x + y <= 1)
-            recompute_terms.append(costs.op_time_us[g.storage.producer] / outputs_saved[g.storage.producer] * y)
+            lp.Add(y <= rerun_of(g.storage.producer))
+            _needs_inputs(problem, costs, lp, var01, g.storage.producer, y, g.first_bwd_use, saved, temps, rerun_of,
+                          checked, relief, copies_out, copies_in, depth=8)
         else:
             y = None
         for i in inside:
@@ -98,8 +108,10 @@ def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
             relief[i].append(size * xi + (size * y if y is not None else 0))
     for i in checked:
         lp.Add(sum(relief[i]) >= base_bytes[i] - budget_bytes)
-    if recompute_terms:
-        lp.Add(end >= sum(recompute_terms))
+    if rerun:
+        lp.Add(end >= sum(costs.op_time_us[o] * r for o, r in rerun.items()))
+    lp.Add(sum(copies_out) <= prefix[n] + end)
+    lp.Add(sum(copies_in) <= prefix[n] + end)
 
     previous = dict(zip(sync[1:], sync))
 
@@ -130,3 +142,35 @@ def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     else:
         return prefix[-1]  # no certificate beyond the compute itself
     return prefix[-1] + max(0.0, value * (1 - _EXTRA) - _EXTRA)
+
+
+def _needs_inputs(problem: Problem, costs: Costs, lp, var01, op: int, wanted, at: int, saved: set[str],
+                  temps: dict, rerun_of, checked: list[int], relief: dict, copies_out: list, copies_in: list,
+                  depth: int) -> None:
+    """Re-running ``op`` before op ``at`` (``wanted`` > 0) needs each of its inputs that the unplanned step has
+    freed by then: rebuilt (its producer re-runs, recursively), kept alive past its last read (its bytes count
+    until ``at`` wherever memory is checked), or sent to the host and back (its copies count on the streams).
+    Saved activations, weights and inputs are taken as there (kept, fetched or rebuilt: paid for elsewhere).
+    Temporaries are visited in order of first need, so ``at`` is the earliest backward read that needs one."""
+    if depth == 0:
+        return
+    for name in problem.ops[op].inputs:
+        st = problem.storage(name)
+        if name in saved or st.producer is None or _alive_at(st, at):
+            continue
+        if name not in temps:
+            rebuilt, alive, hosted = var01(), var01(), var01()
+            temps[name] = rebuilt + alive + hosted
+            last = max(st.users, default=st.producer)
+            for i in checked:
+                if last < i < at:
+                    relief[i].append(-st.size_bytes * alive)
+            copies_out.append(costs.copy_time_us(st.size_bytes, "d2h") * hosted)
+            copies_in.append(costs.copy_time_us(st.size_bytes, "h2d") * hosted)
+            if problem.ops[st.producer].recomputable:
+                lp.Add(rebuilt <= rerun_of(st.producer))
+                _needs_inputs(problem, costs, lp, var01, st.producer, rebuilt, at, saved, temps, rerun_of, checked,
+                              relief, copies_out, copies_in, depth - 1)
+            else:
+                lp.Add(rebuilt == 0)
+        lp.Add(wanted <= temps[name])
