@@ -27,8 +27,11 @@ class SolverOptions:
     time_limit_s: float = 20.0
     workers: int = 2
     seed: int = 0
-    max_candidates: int = 4000
-    """Above this many candidates the whole-graph model is not built; the best heuristic is returned."""
+    max_candidates: int = 200
+    """Above this many candidates the whole-graph CP-SAT models are not built; the best heuristic is returned
+    with the LP bound. Measured (bench/compare.py, H100 spec, 0.7 to 0.25): they improved on the heuristics at
+    wrn28_10 (63 candidates) and resnet50 (105), never at gpt2 (221) or bert (239), where they cost ~60 s a
+    plan for nothing."""
     memory_unit_bytes: int = MEMORY_UNIT
     """Granularity of the memory constraints; candidates smaller than this stay on the device."""
     good_enough_gap: float = 0.01

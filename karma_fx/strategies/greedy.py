@@ -133,7 +133,7 @@ class Greedy:
 
         # The peak is not monotone in the prefix (a recompute's temporaries can raise a backward peak), so scan
         # in coarse steps for the first prefix that fits, then bisect back into the step before it.
-        step = max(1, len(pool) // 16)
+        step = max(1, len(pool) // 8)
         marks = list(range(0, len(pool), step)) + [len(pool)]
         hi = next((k for k in marks if fits(k)), None)
         if hi is None:
