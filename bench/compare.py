@@ -29,6 +29,7 @@ from tabulate import tabulate
 
 KARMA_MODELS = ("resnet50", "vgg16", "resnet200", "wrn28_10", "resnet1001", "megatron_gpt")
 LLM_MODELS = ("gpt2", "bert", "llama")
+BASELINES = ("checkpoint", "offload", "torch-budget", "karma")  # the anchors' strategies, not ours
 
 
 def run(models: list[str], strategies: list[str], budgets: list[str], *, size: str, device: str) -> list[dict[str, Any]]:
@@ -82,8 +83,8 @@ def geomean(xs: list[float]) -> float:
 
 def summary(results: list[dict[str, Any]], ours: str = "cpsat") -> str:
     """The issue's targets per budget: speedup of ``ours`` over offload and torch-budget (geometric mean over
-    the models where both fit), its average gap to the proven bound, the cells only it fits, and every cell
-    where another strategy beats it."""
+    the models where both fit), its average gap to the proven bound, the cells it fits where no baseline
+    does, and every cell where another strategy beats it."""
     budgets = list(dict.fromkeys(c["budget"] for r in results for c in r["cells"]))
     rows, losses = [], []
     for b in budgets:
@@ -99,14 +100,14 @@ def summary(results: list[dict[str, Any]], ours: str = "cpsat") -> str:
                     speed[other].append(cells[other]["slowdown"] / mine["slowdown"])
             if r["bound"].get(b):
                 gaps.append(mine["slowdown"] / r["bound"][b] - 1)
-            if not any(c.get("fits") for s, c in cells.items() if s != ours):
+            if not any(c.get("fits") for s, c in cells.items() if s in BASELINES):
                 only += 1
             losses += [f"{r['model']} at {b}: {s} {c['slowdown']:.3f}x < {mine['slowdown']:.3f}x"
                        for s, c in cells.items() if s != ours and c.get("fits") and c["slowdown"] < mine["slowdown"] - 1e-9]
         rows.append([b, *(f"{geomean(v):.2f}x ({len(v)})" if v else "—" for v in speed.values()),
                      f"{sum(gaps) / len(gaps):.1%} ({len(gaps)})" if gaps else "—", only])
     table = tabulate(rows, headers=["budget", f"{ours} vs offload", f"{ours} vs torch-budget",
-                                    "mean gap to bound", f"only {ours} fits"], tablefmt="github")
+                                    "mean gap to bound", "fits where no baseline does"], tablefmt="github")
     return table + "\n" + ("\n".join(["cells another strategy wins:"] + losses) if losses else f"{ours} is never beaten")
 
 

@@ -86,7 +86,9 @@ class Greedy:
                 if not fits and (lowest is None or key < lowest[:2]):
                     lowest = (*key, decisions, label)
         if best is not None:
-            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1], notes=(best[2],))
+            decisions, loosened = loosen_releases(problem, costs, budget_bytes, best[1])
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
+                        notes=(best[2] + (f", {loosened} waits for a copy out dropped" if loosened else ""),))
         assert lowest is not None
         return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lowest[2],
                     notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",))
@@ -169,3 +171,26 @@ def just_in_time(problem: Problem, costs: Costs, swapped: list[Gap], start: list
         out.append(offload_for(problem, g, prefetch_at=max(at, floor), release=release))
         next_start = begin
     return out[::-1]
+
+
+def loosen_releases(problem: Problem, costs: Costs, budget_bytes: int, decisions: tuple[Decision, ...],
+                    max_trials: int = 64) -> tuple[tuple[Decision, ...], int]:
+    """Drop each forced wait for a copy out (``release_before``) that the budget does not need: one pass, last
+    offload first (the waits near the peak matter most), at most ``max_trials`` simulations, each change kept
+    only if the simulator says the step still fits and got faster. Returns the decisions and how many waits
+    were dropped."""
+    from dataclasses import replace
+
+    from karma_fx.plan import Offload
+
+    current = list(decisions)
+    time = timeline_of(problem, costs, current).makespan_us
+    dropped = 0
+    waits = [k for k, d in enumerate(current) if isinstance(d, Offload) and d.release_before is not None]
+    for k in reversed(waits[-max_trials:]):
+        d = current[k]
+        trial = current[:k] + [replace(d, release_before=None)] + current[k + 1:]
+        tl = timeline_of(problem, costs, trial)
+        if tl.peak_bytes <= budget_bytes and tl.makespan_us < time:
+            current, time, dropped = trial, tl.makespan_us, dropped + 1
+    return tuple(current), dropped
