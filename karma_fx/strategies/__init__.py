@@ -18,7 +18,7 @@ from karma_fx.strategies.torch_budget import SavedSetFn, TorchBudget
 
 STRATEGY_NAMES = ("keep", "checkpoint", "offload", "torch-budget", "karma", "greedy", "cpsat")
 HEURISTICS = ("checkpoint", "offload", "torch-budget", "karma", "greedy")
-DEFAULT_STRATEGY = "karma"  # cpsat becomes the default once it beats every heuristic (issue 3)
+DEFAULT_STRATEGY = "cpsat"
 
 
 def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
