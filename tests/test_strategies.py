@@ -104,3 +104,22 @@ def test_meta_models_plan_without_memory():
     x = torch.empty(4096, 8192, device="meta")
     plan = karma_fx.plan(model, (x,), budget=1.0, strategy="keep")
     assert plan.peak_bytes > 2 * 8192 * 8192 * 4  # weights and gradients of a 1 GiB-per-layer model, traced for free
+
+
+def test_greedy_recomputes_when_copies_are_slow_and_drops_waits_the_budget_does_not_need():
+    from karma_fx.strategies.greedy import Greedy, loosen_releases
+
+    from helpers import chain_problem, flat_costs
+
+    p = chain_problem()
+    slow = flat_costs(p, bytes_per_us=10.0)  # 100 µs per copy of A, 10 µs to recompute it
+    plan = Greedy()(p, slow, 3114)
+    assert [type(d).__name__ for d in plan.decisions] == ["Recompute"]
+    assert simulate(p, plan, slow).makespan_us == pytest.approx(70.0)  # the optimum (tests/test_cpsat.py)
+
+    waiting = (Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1", reload_before="b1",
+                       release_before="loss"),)
+    loosened, dropped = loosen_releases(p, slow, 10_000, waiting)
+    assert dropped == 1 and loosened[0].release_before is None
+    assert simulate(p, loosened, slow).makespan_us < simulate(p, waiting, slow).makespan_us
+    assert loosen_releases(p, slow, 3114, waiting) == (waiting, 0)  # there the wait is what makes it fit
