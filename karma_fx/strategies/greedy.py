@@ -1,4 +1,4 @@
-"""``greedy``: a per-tensor swap-and-recompute heuristic driven by the concurrency model; cpsat's warm start.
+"""``greedy``: a per-tensor swap-and-recompute heuristic driven by the concurrency model; one of cpsat's fallbacks.
 
 KARMA decides per block with one rule (swap if the copies hide, else recompute). Per tensor there is more
 room: the copy engines can carry a fixed number of bytes while the step computes, whatever layer they come
@@ -7,16 +7,19 @@ from, and what recomputing costs varies a hundredfold between a matmul output an
 1. swap the tensors that are dearest to recompute per byte and have the longest gaps, up to a byte quota
    that the copy streams can carry (a grid of quotas around the forward's copy capacity is tried); each
    prefetch is issued early enough for its copy to hide behind the backward before its first read;
-2. recompute the cheapest-per-byte of the rest (grouped by where the backward first needs them, so chains
-   share their ops), as few as make the step fit: a bisection, every probe judged by the simulator;
-3. keep the fastest plan that fits.
+2. evict as few of the rest as make the step fit, in one of three orders (recompute cheapest per byte
+   first; the same with short chains only; block by block keeping block outputs), then swap what is left:
+   a coarse scan and a bisection, every probe judged by the simulator; recomputes are grouped by where the
+   backward first needs them, so chains share their ops;
+3. keep the fastest plan that fits, and drop the waits for copies out that it does not need.
 """
 from __future__ import annotations
 
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import Gap, RecomputeBuilder, offload_for, reconcile, saved_gaps, timeline_of
+from karma_fx.strategies.base import (Gap, RecomputeBuilder, blocks_from_cuts, offload_for, reconcile, saved_gaps,
+                                     timeline_of)
 from karma_fx.strategies.torch_budget import decisions_for_saved
 
 QUOTAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
@@ -77,7 +80,7 @@ class Greedy:
                     swapped.append(g)
                     total += g.storage.size_bytes
             away = {g.storage.name for g in swapped}
-            for pool in self._pools(gaps, cheap_first, chains, away):
+            for pool in self._pools(problem, gaps, cheap_first, chains, away):
                 found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, pool, start,
                                   f"quota {quota:g}: {len(swapped)} swapped")
                 fits, key, decisions, label = found
@@ -94,14 +97,16 @@ class Greedy:
                     notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",))
 
     @staticmethod
-    def _pools(gaps: list[Gap], cheap_first: list[Gap], chains: dict, away: set[str]) -> list[list[tuple[Gap, str]]]:
-        """Eviction orders beyond the swap quota, as (tensor, "recompute" | "swap"): recomputes cheapest
-        first, then swaps of everything left, so the last prefix is as lean as swapping can make it.
+    def _pools(problem: Problem, gaps: list[Gap], cheap_first: list[Gap], chains: dict,
+               away: set[str]) -> list[list[tuple[Gap, str]]]:
+        """Eviction orders beyond the swap quota, as (tensor, "recompute" | "swap"): recomputes first, then
+        swaps of everything left, so the last prefix is as lean as swapping can make it.
 
-        Two orders: every rebuildable tensor may be recomputed (chains grow as their inputs go too), or a
-        tensor is recomputed only from tensors that stay (kept or swapped back), so every chain stays as short
-        as it was alone; the first suits graphs of cheap pointwise runs, the second graphs that would
-        otherwise rebuild whole stretches from the input at once."""
+        Three orders: every rebuildable tensor, cheapest first (chains grow as their inputs go too); the same,
+        but a tensor only if its chain reads nothing dropped, so every chain stays as short as it was alone;
+        and block by block from the first, keeping each block's output (checkpointing's structure: a dropped
+        block is rebuilt from the kept output of the one before). The first suits graphs of cheap pointwise
+        runs, the others graphs that would otherwise rebuild whole stretches from the input at once."""
         free = [g for g in cheap_first if g.storage.name not in away]
         local, dropped, pinned = [], set(), set()
         for g in free:
@@ -111,8 +116,11 @@ class Greedy:
             local.append(g)
             dropped.add(name)
             pinned |= reads
+        boundaries = {s for _, last in blocks_from_cuts(problem, len(problem.cut_points)) for s in problem.ops[last].outputs}
+        by_block = sorted((g for g in free if g.storage.name not in boundaries),
+                          key=lambda g: (g.storage.producer, g.storage.name))
         pools = []
-        for recomputed in (free, local):
+        for recomputed in (free, local, by_block):
             chosen = away | {g.storage.name for g in recomputed}
             pools.append([(g, "recompute") for g in recomputed] + [(g, "swap") for g in gaps if g.storage.name not in chosen])
         return pools
