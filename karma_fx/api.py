@@ -60,7 +60,7 @@ class Prepared:
         return self._min_peak
 
     def strategy(self, strategy: str | Strategy | None, *, offload_weights: bool = False) -> Strategy:
-        """The strategy to plan with: by name (``torch-budget`` and ``cpsat`` get PyTorch's saved-set oracle
+        """The strategy to plan with: by name (``torch-budget`` gets PyTorch's saved-set oracle
         for the captured graph, cached per fraction) or as given; wrapped in ``WeightsOutOfCore`` when
         ``offload_weights``."""
         if offload_weights:
@@ -71,7 +71,7 @@ class Prepared:
             strategy = DEFAULT_STRATEGY
         if not isinstance(strategy, str):
             return strategy
-        if strategy not in ("torch-budget", "cpsat") or self.step is None:
+        if strategy != "torch-budget" or self.step is None:
             return make_strategy(strategy)
         from karma_fx.passes.torch_partition import saved_storages
 
