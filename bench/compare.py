@@ -88,7 +88,7 @@ def summary(results: list[dict[str, Any]], ours: str = "cpsat") -> str:
     budgets = list(dict.fromkeys(c["budget"] for r in results for c in r["cells"]))
     rows, losses = [], []
     for b in budgets:
-        speed = {"offload": [], "torch-budget": []}
+        speed: dict[str, list[float]] = {"offload": [], "torch-budget": [], "karma": []}
         gaps, only = [], 0
         for r in results:
             cells = {c["strategy"]: c for c in r["cells"] if c["budget"] == b}
@@ -106,7 +106,7 @@ def summary(results: list[dict[str, Any]], ours: str = "cpsat") -> str:
                        for s, c in cells.items() if s != ours and c.get("fits") and c["slowdown"] < mine["slowdown"] - 1e-9]
         rows.append([b, *(f"{geomean(v):.2f}x ({len(v)})" if v else "—" for v in speed.values()),
                      f"{sum(gaps) / len(gaps):.1%} ({len(gaps)})" if gaps else "—", only])
-    table = tabulate(rows, headers=["budget", f"{ours} vs offload", f"{ours} vs torch-budget",
+    table = tabulate(rows, headers=["budget", f"{ours} vs offload", f"{ours} vs torch-budget", f"{ours} vs karma",
                                     "mean gap to bound", "fits where no baseline does"], tablefmt="github")
     return table + "\n" + ("\n".join(["cells another strategy wins:"] + losses) if losses else f"{ours} is never beaten")
 
@@ -119,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=("tiny", "real"), default="real")
     p.add_argument("--device", default="h100")
     p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--summary-of", default=None, help="only print the targets of earlier --json files (comma-separated)")
     a = p.parse_args(argv)
+    if a.summary_of:
+        results = [r for path in a.summary_of.split(",") for r in json.load(open(path))]
+        print(summary(results))
+        return 0
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = run(a.models.split(","), a.strategies.split(","), a.budgets.split(","), size=a.size, device=a.device)
     if "cpsat" in a.strategies.split(","):
