@@ -73,6 +73,7 @@ class Greedy:
 
         best: tuple[tuple[int, float], tuple[Decision, ...], str] | None = None
         lowest: tuple[int, float, tuple[Decision, ...], str] | None = None
+        judged: dict = {}
         for quota in QUOTAS:
             swapped, total = [], 0
             for g in swappable:
@@ -82,7 +83,7 @@ class Greedy:
             away = {g.storage.name for g in swapped}
             for pool in self._pools(problem, gaps, cheap_first, chains, away):
                 found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, pool, start,
-                                  f"quota {quota:g}: {len(swapped)} swapped")
+                                  f"quota {quota:g}: {len(swapped)} swapped", judged)
                 fits, key, decisions, label = found
                 if fits and (best is None or key < best[0]):
                     best = (key, decisions, label)
@@ -127,10 +128,16 @@ class Greedy:
 
     @staticmethod
     def _fit(problem: Problem, costs: Costs, budget_bytes: int, builder: RecomputeBuilder, gaps: list[Gap],
-             swapped: list[Gap], pool: list[tuple[Gap, str]], start: list[float], label: str):
-        """Evict the shortest prefix of ``pool`` that fits (bisection; the simulator judges every probe):
-        (fits, (peak or 0, step time), decisions, label)."""
+             swapped: list[Gap], pool: list[tuple[Gap, str]], start: list[float], label: str, judged: dict):
+        """Evict the shortest prefix of ``pool`` that fits (bisection; the simulator judges every probe, and
+        ``judged`` remembers its verdicts across pools and quotas): (fits, (peak or 0, step time), decisions,
+        label)."""
         everything = frozenset(g.storage.name for g in gaps)
+
+        def timeline(decisions: tuple[Decision, ...]):
+            if decisions not in judged:
+                judged[decisions] = timeline_of(problem, costs, decisions)
+            return judged[decisions]
 
         def plan_with(k: int) -> tuple[Decision, ...]:
             recomputed = {g.storage.name for g, kind in pool[:k] if kind == "recompute"}
@@ -139,7 +146,7 @@ class Greedy:
             return reconcile(problem, swaps + decisions_for_saved(problem, everything - recomputed, builder))
 
         def fits(k: int) -> bool:
-            return timeline_of(problem, costs, plan_with(k)).peak_bytes <= budget_bytes
+            return timeline(plan_with(k)).peak_bytes <= budget_bytes
 
         # The peak is not monotone in the prefix (a recompute's temporaries can raise a backward peak), so scan
         # in coarse steps for the first prefix that fits, then bisect back into the step before it.
@@ -147,7 +154,7 @@ class Greedy:
         marks = list(range(0, len(pool), step)) + [len(pool)]
         hi = next((k for k in marks if fits(k)), None)
         if hi is None:
-            top = timeline_of(problem, costs, plan_with(len(pool)))
+            top = timeline(plan_with(len(pool)))
             return False, (top.peak_bytes, top.makespan_us), plan_with(len(pool)), label + f", all {len(pool)} evicted"
         lo = max(0, hi - step + 1)
         while lo < hi:
@@ -157,7 +164,8 @@ class Greedy:
             else:
                 lo = mid + 1
         decisions = plan_with(hi)
-        return True, (0, timeline_of(problem, costs, decisions).makespan_us), decisions, label + f", {hi} evicted"
+        return True, (0, timeline(decisions).makespan_us), decisions, label + f", {hi} evicted"
+
 
 def just_in_time(problem: Problem, costs: Costs, swapped: list[Gap], start: list[float], *,
                  release: bool = False) -> list[Decision]:
