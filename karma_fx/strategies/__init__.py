@@ -36,7 +36,7 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
         return TorchBudget(saved_set)
     if name == "cpsat":
         # Our heuristics are the exact planner's fallbacks. torch-budget is not among them: PyTorch's
-        # partitioner costs 30-65 s per real model (9 fractions), and in bench/compare it fits in 10 cells,
+        # partitioner costs 30-100 s per real model (9 fractions), and in bench/compare it fits in 10 cells,
         # each of which greedy or karma wins (e.g. gpt2 at 0.5: 1.318x against 1.073x).
         return CpSat([make_strategy(h) for h in HEURISTICS if h != "torch-budget"])
     if name not in factories:
