@@ -15,8 +15,10 @@ from, and what recomputing costs varies a hundredfold between a matmul output an
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from karma_fx.costs import Costs
-from karma_fx.plan import Decision, Plan
+from karma_fx.plan import Decision, Offload, Plan
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import (Gap, RecomputeBuilder, blocks_from_cuts, offload_for, reconcile, saved_gaps,
                                      timeline_of)
@@ -195,10 +197,6 @@ def loosen_releases(problem: Problem, costs: Costs, budget_bytes: int, decisions
     offload first (the waits near the peak matter most), at most ``max_trials`` simulations, each change kept
     only if the simulator says the step still fits and got faster. Returns the decisions and how many waits
     were dropped."""
-    from dataclasses import replace
-
-    from karma_fx.plan import Offload
-
     current = list(decisions)
     time = timeline_of(problem, costs, current).makespan_us
     dropped = 0
