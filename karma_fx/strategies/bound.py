@@ -24,6 +24,7 @@ are not covered.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 from karma_fx.costs import Costs
@@ -122,15 +123,29 @@ def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
         opened = stall[previous[first]] if first in previous else 0
         return prefix[last] - prefix[first] + stall[last] - opened
 
+    # Each stream's capacity as running sums, so that every copy enters once per checked op (the plain
+    # double loop had checked x sync x tensors terms: 145 s to build on resnet1001).
     for i in checked:
-        for a in (k for k in sync if k <= i):
-            out = [costs.copy_time_us(g.storage.size_bytes, "d2h") * xi for g, xi in away[i] if g.storage.producer + 1 >= a]
-            if out:
-                lp.Add(sum(out) <= window(a, i))
-        for q in (k for k in sync if k > i):  # a prefetch issued at op p > i: its copy starts after op i ends
-            back = [costs.copy_time_us(g.storage.size_bytes, "h2d") * xi for g, xi in away[i] if g.first_bwd_use <= q]
-            if back:
-                lp.Add(sum(back) <= prefix[q] - prefix[i + 1] + stall[q] - stall[i])
+        before = [k for k in sync if k <= i]  # windows (a, i): what was produced at or after a
+        by_start: dict[int, list] = {}
+        for g, xi in away[i]:
+            a = before[bisect.bisect_right(before, g.storage.producer + 1) - 1]
+            by_start.setdefault(a, []).append(costs.copy_time_us(g.storage.size_bytes, "d2h") * xi)
+        running = None
+        for a in reversed(before):
+            running = _accumulate(lp, running, by_start.get(a, ()))
+            if running is not None:
+                lp.Add(running <= window(a, i))
+        after = [k for k in sync if k > i]  # windows (i + 1, q): what is read again by q
+        by_end: dict[int, list] = {}
+        for g, xi in away[i]:
+            q = after[min(bisect.bisect_left(after, g.first_bwd_use), len(after) - 1)]
+            by_end.setdefault(q, []).append(costs.copy_time_us(g.storage.size_bytes, "h2d") * xi)
+        running = None
+        for q in after:  # a prefetch issued at op p > i: its copy starts after op i ends
+            running = _accumulate(lp, running, by_end.get(q, ()))
+            if running is not None:
+                lp.Add(running <= prefix[q] - prefix[i + 1] + stall[q] - stall[i])
     lp.Minimize(end)
     status = lp.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
@@ -142,6 +157,15 @@ def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     else:
         return prefix[-1]  # no certificate beyond the compute itself
     return prefix[-1] + max(0.0, value * (1 - _EXTRA) - _EXTRA)
+
+
+def _accumulate(lp, running, terms):
+    """``running`` plus ``terms`` as one new LP variable (or ``running`` itself when there is nothing new)."""
+    if not terms:
+        return running
+    total = lp.NumVar(0, lp.infinity(), "")
+    lp.Add(total == (running if running is not None else 0) + sum(terms))
+    return total
 
 
 def _needs_inputs(problem: Problem, costs: Costs, lp, var01, op: int, wanted, at: int, saved: set[str],
