@@ -26,6 +26,9 @@ from karma_fx.strategies.torch_budget import decisions_for_saved
 
 QUOTAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 """Swapped bytes as multiples of what the device→host stream can move during the forward."""
+LARGE_OPS = 4000
+QUOTAS_LARGE = (0.0, 0.5, 1.0)
+"""On graphs of more than ``LARGE_OPS`` ops a simulation costs ~0.5 s and the full grid minutes: fewer quotas."""
 LOOKAHEAD = 1.2
 """Slack on every prefetch: its copy is planned to take this many times its modelled duration."""
 
@@ -76,7 +79,7 @@ class Greedy:
         best: tuple[tuple[int, float], tuple[Decision, ...], str] | None = None
         lowest: tuple[int, float, tuple[Decision, ...], str] | None = None
         judged: dict = {}
-        for quota in QUOTAS:
+        for quota in QUOTAS if len(problem.ops) <= LARGE_OPS else QUOTAS_LARGE:
             swapped, total = [], 0
             for g in swappable:
                 if total + g.storage.size_bytes <= quota * fwd_capacity:
