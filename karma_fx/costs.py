@@ -7,6 +7,7 @@ deterministic, so a plan made twice is the same plan.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -54,6 +55,10 @@ class Costs:
         if size_bytes == 0:
             return 0.0
         return self.copy_latency_us + size_bytes / bandwidth
+
+    def op_starts_us(self) -> list[float]:
+        """When each op starts with nothing offloaded or recomputed, and (the last entry) when the step ends."""
+        return [0.0, *itertools.accumulate(self.op_time_us)]
 
     @property
     def compute_time_us(self) -> float:

@@ -50,9 +50,7 @@ def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     from ortools.linear_solver import pywraplp
 
     n = len(problem.ops)
-    prefix = [0.0]
-    for x in costs.op_time_us:
-        prefix.append(prefix[-1] + x)
+    prefix = costs.op_starts_us()
     over = [i for i in range(n) if base_bytes[i] > budget_bytes]
     if not over:
         return prefix[-1]

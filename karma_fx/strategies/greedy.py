@@ -58,9 +58,7 @@ class Greedy:
         gaps = [g for g in saved_gaps(problem) if g.storage.size_bytes > 0]
         chains = {g.storage.name: rebuild_chain(problem, costs, g, builder) for g in gaps}
         rebuild = {name: chain and chain[0] for name, chain in chains.items()}
-        start = [0.0]
-        for x in costs.op_time_us:
-            start.append(start[-1] + x)
+        start = costs.op_starts_us()
         nf = problem.num_fwd_ops
         fwd_capacity = start[nf] * costs.d2h_bytes_per_us
 
