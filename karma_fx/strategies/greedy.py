@@ -42,9 +42,10 @@ def rebuild_chain(problem: Problem, costs: Costs, gap: Gap, builder: RecomputeBu
         r = builder.group([gap], {gap.storage.name})
     except ValueError:
         return None
-    ops = [problem.ops[problem.op_index(op)] for op in r.ops]
-    made = {s for op in ops for s in op.outputs}
-    return sum(costs.op_time_us[problem.op_index(op)] for op in r.ops), {s for op in ops for s in op.inputs} - made
+    indices = [problem.op_index(op) for op in r.ops]
+    made = {s for i in indices for s in problem.ops[i].outputs}
+    reads = {s for i in indices for s in problem.ops[i].inputs} - made
+    return sum(costs.op_time_us[i] for i in indices), reads
 
 
 class Greedy:
@@ -57,26 +58,27 @@ class Greedy:
         builder = RecomputeBuilder(problem)
         gaps = [g for g in saved_gaps(problem) if g.storage.size_bytes > 0]
         chains = {g.storage.name: rebuild_chain(problem, costs, g, builder) for g in gaps}
-        rebuild = {name: chain and chain[0] for name, chain in chains.items()}
         start = costs.op_starts_us()
         nf = problem.num_fwd_ops
         fwd_capacity = start[nf] * costs.d2h_bytes_per_us
 
         def dearness(g: Gap) -> float:  # recompute µs per MB; unrebuildable first
-            cost = rebuild[g.storage.name]
-            return float("inf") if cost is None else cost / g.storage.size_bytes * 1e6
+            chain = chains[g.storage.name]
+            return float("inf") if chain is None else chain[0] / g.storage.size_bytes * 1e6
 
         # Long-gap, dear tensors first; a tensor whose gap cannot hide its two copies is never swapped.
         swappable = [g for g in gaps
                      if start[g.first_bwd_use] - start[g.storage.producer + 1]
                      >= 2 * (costs.copy_time_us(g.storage.size_bytes, "d2h") + costs.copy_time_us(g.storage.size_bytes, "h2d"))]
         swappable.sort(key=lambda g: (-dearness(g), g.storage.producer, g.storage.name))
-        cheap_first = sorted((g for g in gaps if rebuild[g.storage.name] is not None),
+        cheap_first = sorted((g for g in gaps if chains[g.storage.name] is not None),
                              key=lambda g: (dearness(g), -g.storage.size_bytes, g.storage.name))
 
         best: tuple[tuple[int, float], tuple[Decision, ...], str] | None = None
         lowest: tuple[int, float, tuple[Decision, ...], str] | None = None
         judged: dict = {}
+        last_ops = [last for _, last in blocks_from_cuts(problem, len(problem.cut_points))]
+        boundaries = {s for last in last_ops for s in problem.ops[last].outputs}
         for quota in QUOTAS if len(problem.ops) <= LARGE_OPS else QUOTAS_LARGE:
             swapped, total = [], 0
             for g in swappable:
@@ -84,7 +86,7 @@ class Greedy:
                     swapped.append(g)
                     total += g.storage.size_bytes
             away = {g.storage.name for g in swapped}
-            for pool in self._pools(problem, gaps, cheap_first, chains, away):
+            for pool in self._pools(gaps, cheap_first, chains, away, boundaries):
                 found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, pool, start,
                                   f"quota {quota:g}: {len(swapped)} swapped", judged)
                 fits, key, decisions, label = found
@@ -101,16 +103,16 @@ class Greedy:
                     notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",))
 
     @staticmethod
-    def _pools(problem: Problem, gaps: list[Gap], cheap_first: list[Gap], chains: dict,
-               away: set[str]) -> list[list[tuple[Gap, str]]]:
+    def _pools(gaps: list[Gap], cheap_first: list[Gap], chains: dict, away: set[str],
+               boundaries: set[str]) -> list[list[tuple[Gap, str]]]:
         """Eviction orders beyond the swap quota, as (tensor, "recompute" | "swap"): recomputes first, then
         swaps of everything left, so the last prefix is as lean as swapping can make it.
 
         Three orders: every rebuildable tensor, cheapest first (chains grow as their inputs go too); the same,
         but a tensor only if its chain reads nothing dropped, so every chain stays as short as it was alone;
-        and block by block from the first, keeping each block's output (checkpointing's structure: a dropped
-        block is rebuilt from the kept output of the one before). The first suits graphs of cheap pointwise
-        runs, the others graphs that would otherwise rebuild whole stretches from the input at once."""
+        and block by block from the first, keeping each block's output (``boundaries``; checkpointing's
+        structure: a dropped block is rebuilt from the kept output of the one before). The first suits graphs
+        of cheap pointwise runs, the others graphs that would otherwise rebuild whole stretches at once."""
         free = [g for g in cheap_first if g.storage.name not in away]
         local, dropped, pinned = [], set(), set()
         for g in free:
@@ -120,7 +122,6 @@ class Greedy:
             local.append(g)
             dropped.add(name)
             pinned |= reads
-        boundaries = {s for _, last in blocks_from_cuts(problem, len(problem.cut_points)) for s in problem.ops[last].outputs}
         by_block = sorted((g for g in free if g.storage.name not in boundaries),
                           key=lambda g: (g.storage.producer, g.storage.name))
         pools = []
@@ -157,8 +158,9 @@ class Greedy:
         marks = list(range(0, len(pool), step)) + [len(pool)]
         hi = next((k for k in marks if fits(k)), None)
         if hi is None:
-            top = timeline(plan_with(len(pool)))
-            return False, (top.peak_bytes, top.makespan_us), plan_with(len(pool)), label + f", all {len(pool)} evicted"
+            leanest = plan_with(len(pool))
+            top = timeline(leanest)
+            return False, (top.peak_bytes, top.makespan_us), leanest, label + f", all {len(pool)} evicted"
         lo = max(0, hi - step + 1)
         while lo < hi:
             mid = (lo + hi) // 2
