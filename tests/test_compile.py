@@ -19,6 +19,7 @@ from karma_fx.zoo import build, output_to_loss
 CASES = [(m, s) for m in ("mlp", "cnn", "gpt2", "bert", "llama", "resnet50", "megatron_gpt", "wrn28_10")
          for s in ("checkpoint", "offload", "karma")]
 CASES += [(m, s) for m in ("cnn", "gpt2") for s in ("torch-budget", "cpsat")]  # slow planners: two models
+CASES += [(m, "greedy") for m in ("mlp", "cnn", "gpt2", "resnet50")]
 
 
 def budgets(name):
@@ -109,7 +110,7 @@ def test_bad_input():
 
 
 MEASURED = [("mlp", "offload"), ("cnn", "checkpoint"), ("cnn", "karma"), ("gpt2", "checkpoint"),
-            ("megatron_gpt", "karma"), ("resnet50", "checkpoint")]
+            ("megatron_gpt", "karma"), ("resnet50", "checkpoint"), ("gpt2", "greedy"), ("resnet50", "greedy")]
 
 
 @pytest.mark.parametrize("name, strategy", MEASURED)
