@@ -123,3 +123,28 @@ def test_greedy_recomputes_when_copies_are_slow_and_drops_waits_the_budget_does_
     assert dropped == 1 and loosened[0].release_before is None
     assert simulate(p, loosened, slow).makespan_us < simulate(p, waiting, slow).makespan_us
     assert loosen_releases(p, slow, 3114, waiting) == (waiting, 0)  # there the wait is what makes it fit
+
+
+def test_bounded_pools_let_each_chain_rebuild_at_most_a_neighbour_or_two():
+    from karma_fx.strategies.base import RecomputeBuilder, saved_gaps
+    from karma_fx.strategies.greedy import bounded_drops, rebuild_chain
+
+    from helpers import random_costs, random_problem
+
+    p = random_problem(6, [600, 500, 400, 300, 200, 100], [-1] * 6, [10.0])  # a plain chain a0 -> ... -> a5
+    costs = random_costs(p, [10.0], 100.0)
+    builder = RecomputeBuilder(p)
+    gaps = saved_gaps(p)
+    chains = {g.storage.name: rebuild_chain(p, costs, g, builder) for g in gaps}
+    assert all(chains[g.storage.name][0] == 10.0 for g in gaps)  # each rebuilt alone by one 10 µs op
+    cheap_first = sorted(gaps, key=lambda g: -g.storage.size_bytes)  # a0 first
+
+    def taken(growth: float, away: set[str] = set()) -> list[str]:
+        return [g.storage.name for g in bounded_drops(p, costs, builder, cheap_first, chains, away, growth)]
+
+    # 1.5x: no chain may rebuild a dropped neighbour, so every other tensor goes.
+    assert taken(1.5) == ["a0", "a2", "a4"]
+    # 2.5x: a chain may rebuild one dropped neighbour (a1 from x via a0), not two.
+    assert taken(2.5) == ["a0", "a1", "a3", "a4"]
+    assert taken(100.0) == [f"a{i}" for i in range(6)]  # unbounded: the first pool's order
+    assert "a1" not in taken(2.5, away={"a1"})  # swapped tensors are not recomputed

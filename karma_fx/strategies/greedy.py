@@ -7,8 +7,9 @@ from, and what recomputing costs varies a hundredfold between a matmul output an
 1. swap the tensors that are dearest to recompute per byte and have the longest gaps, up to a byte quota
    that the copy streams can carry (a grid of quotas around the forward's copy capacity is tried); each
    prefetch is issued early enough for its copy to hide behind the backward before its first read;
-2. evict as few of the rest as make the step fit, in one of three orders (recompute cheapest per byte
-   first; the same with short chains only; block by block keeping block outputs), then swap what is left:
+2. evict as few of the rest as make the step fit, in one of five orders (recompute cheapest per byte
+   first; the same with short chains only, or with chains at most 1.5x or 2.5x as dear as alone; block by
+   block keeping block outputs), then swap what is left:
    a coarse scan and a bisection, every probe judged by the simulator; recomputes are grouped by where the
    backward first needs them, so chains share their ops;
 3. keep the fastest plan that fits, and drop the waits for copies out that it does not need.
@@ -29,6 +30,8 @@ QUOTAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 LARGE_OPS = 4000
 QUOTAS_LARGE = (0.0, 0.5, 1.0)
 """On graphs of more than ``LARGE_OPS`` ops a simulation costs ~0.5 s and the full grid minutes: fewer quotas."""
+GROWTHS = (1.5, 2.5)
+"""How much longer than alone a recompute chain may grow in the bounded pools (``bounded_drops``)."""
 LOOKAHEAD = 1.2
 """Slack on every prefetch: its copy is planned to take this many times its modelled duration."""
 
@@ -86,9 +89,14 @@ class Greedy:
                     swapped.append(g)
                     total += g.storage.size_bytes
             away = {g.storage.name for g in swapped}
-            for pool in self._pools(gaps, cheap_first, chains, away, boundaries):
+            orders = self._orders(cheap_first, chains, away, boundaries)
+            orders.update((f"bounded {growth:g}x", bounded_drops(problem, costs, builder, cheap_first, chains, away,
+                                                                 growth)) for growth in GROWTHS)
+            for order, recomputed in orders.items():
+                chosen = away | {g.storage.name for g in recomputed}
+                pool = [(g, "recompute") for g in recomputed] + [(g, "swap") for g in gaps if g.storage.name not in chosen]
                 found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, pool, start,
-                                  f"quota {quota:g}: {len(swapped)} swapped", judged)
+                                  f"quota {quota:g}: {len(swapped)} swapped, {order} order", judged)
                 fits, key, decisions, label = found
                 if fits and (best is None or key < best[0]):
                     best = (key, decisions, label)
@@ -103,16 +111,16 @@ class Greedy:
                     notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",))
 
     @staticmethod
-    def _pools(gaps: list[Gap], cheap_first: list[Gap], chains: dict, away: set[str],
-               boundaries: set[str]) -> list[list[tuple[Gap, str]]]:
-        """Eviction orders beyond the swap quota, as (tensor, "recompute" | "swap"): recomputes first, then
-        swaps of everything left, so the last prefix is as lean as swapping can make it.
+    def _orders(cheap_first: list[Gap], chains: dict, away: set[str], boundaries: set[str]) -> dict[str, list[Gap]]:
+        """Tensors to recompute beyond the swap quota, in the order they are evicted (``_fit`` then swaps
+        everything left, so its last prefix is as lean as swapping can make it).
 
-        Three orders: every rebuildable tensor, cheapest first (chains grow as their inputs go too); the same,
-        but a tensor only if its chain reads nothing dropped, so every chain stays as short as it was alone;
-        and block by block from the first, keeping each block's output (``boundaries``; checkpointing's
-        structure: a dropped block is rebuilt from the kept output of the one before). The first suits graphs
-        of cheap pointwise runs, the others graphs that would otherwise rebuild whole stretches at once."""
+        "cheap-first": every rebuildable tensor, cheapest first (chains grow as their inputs go too);
+        "local": the same, but a tensor only if its chain reads nothing dropped, so every chain stays as short
+        as it was alone; "by-block": block by block from the first, keeping each block's output
+        (``boundaries``; checkpointing's structure: a dropped block is rebuilt from the kept output of the one
+        before). The first suits graphs of cheap pointwise runs, the others graphs that would otherwise
+        rebuild whole stretches at once; ``bounded_drops`` adds orders in between."""
         free = [g for g in cheap_first if g.storage.name not in away]
         local, dropped, pinned = [], set(), set()
         for g in free:
@@ -124,11 +132,7 @@ class Greedy:
             pinned |= reads
         by_block = sorted((g for g in free if g.storage.name not in boundaries),
                           key=lambda g: (g.storage.producer, g.storage.name))
-        pools = []
-        for recomputed in (free, local, by_block):
-            chosen = away | {g.storage.name for g in recomputed}
-            pools.append([(g, "recompute") for g in recomputed] + [(g, "swap") for g in gaps if g.storage.name not in chosen])
-        return pools
+        return {"cheap-first": free, "local": local, "by-block": by_block}
 
     @staticmethod
     def _fit(problem: Problem, costs: Costs, budget_bytes: int, builder: RecomputeBuilder, gaps: list[Gap],
@@ -170,6 +174,32 @@ class Greedy:
                 lo = mid + 1
         decisions = plan_with(hi)
         return True, (0, timeline(decisions).makespan_us), decisions, label + f", {hi} evicted"
+
+
+def bounded_drops(problem: Problem, costs: Costs, builder: RecomputeBuilder, cheap_first: list[Gap], chains: dict,
+                  away: set[str], growth: float) -> list[Gap]:
+    """Rebuildable tensors, cheapest first, each taken only if its chain, rebuilt from what is left after
+    the tensors taken before it, costs at most ``growth`` times its chain alone.
+
+    Between the first pool (chains grow without limit: on a ResNet each layer ends up rebuilding the stretch
+    before it) and the local one (no chain may read a dropped tensor: a ResNet can then drop only its ReLU
+    outputs, half its bytes), this lets a chain rebuild a neighbour or two. Chains taken earlier may still
+    grow when a tensor they read is taken later; also bounding those was tried and measured worse (resnet200
+    at 0.25: 1.296x against 1.176x), because recomputes grouped at one backward read share their ops."""
+    dropped: set[str] = set()
+    out: list[Gap] = []
+    for g in cheap_first:
+        name = g.storage.name
+        if name in away:
+            continue
+        try:
+            chain = builder.group([g], dropped | {name})
+        except ValueError:
+            continue
+        if sum(costs.op_time_us[problem.op_index(op)] for op in chain.ops) <= growth * chains[name][0]:
+            out.append(g)
+            dropped.add(name)
+    return out
 
 
 def just_in_time(problem: Problem, costs: Costs, swapped: list[Gap], start: list[float], *,
