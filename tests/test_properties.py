@@ -96,3 +96,17 @@ def test_lp_bound_holds_for_every_plan_that_fits(step):
         tl = simulate(problem, decisions, costs)
         if tl.peak_bytes <= budget:
             assert tl.makespan_us >= bound * (1 - 1e-9)
+
+
+@SETTINGS
+@given(steps())
+def test_cpsat_step_time_never_falls_as_the_budget_shrinks(step):
+    """Not true by construction (cpsat returns the best of its models and heuristics, each a search of its
+    own), so it is checked: a tighter budget never yields a faster simulated step."""
+    problem, costs, _ = step
+    planner = CpSat([make_strategy(h) for h in HEURISTICS], SolverOptions(time_limit_s=2, memory_unit_bytes=1))
+    times = []
+    for fraction in (0.9, 0.6, 0.3, 0.0):
+        budget, _, _ = budget_between(problem, costs, fraction)
+        times.append(simulate(problem, planner(problem, costs, budget), costs).makespan_us)
+    assert all(later >= earlier - 1e-6 for earlier, later in zip(times, times[1:])), times
