@@ -145,7 +145,7 @@ def pick_best(problem: Problem, costs: Costs, budget_bytes: int,
     """
     best: tuple[tuple[int, float, float], tuple[Decision, ...], T] | None = None
     for decisions, label in options:
-        tl = simulate(problem, tuple(decisions), costs)
+        tl = timeline_of(problem, costs, decisions)
         fits = tl.peak_bytes <= budget_bytes
         key = (0, tl.makespan_us, 0.0) if fits else (1, float(tl.peak_bytes), tl.makespan_us)
         if best is None or key < best[0]:
@@ -156,7 +156,8 @@ def pick_best(problem: Problem, costs: Costs, budget_bytes: int,
 
 
 def timeline_of(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] | list[Decision]) -> Timeline:
-    return simulate(problem, tuple(decisions), costs)
+    """The simulator's figures for ``decisions`` (without the per-op schedule rows a report needs)."""
+    return simulate(problem, tuple(decisions), costs, detail=False)
 
 
 def reconcile(problem: Problem, decisions: tuple[Decision, ...] | list[Decision]) -> tuple[Decision, ...]:
@@ -201,6 +202,6 @@ def leanest_peak(problem: Problem, costs: Costs, *, stream_weights: bool = False
     if stream_weights:
         from karma_fx.strategies.weights import weight_streams
 
-        return min(simulate(problem, swaps + weight_streams(problem, swaps), costs).peak_bytes,
-                   simulate(problem, weight_streams(problem), costs).peak_bytes)
-    return min(simulate(problem, swaps, costs).peak_bytes, simulate(problem, (), costs).peak_bytes)
+        return min(timeline_of(problem, costs, swaps + weight_streams(problem, swaps)).peak_bytes,
+                   timeline_of(problem, costs, weight_streams(problem)).peak_bytes)
+    return min(timeline_of(problem, costs, swaps).peak_bytes, timeline_of(problem, costs, ()).peak_bytes)
