@@ -15,6 +15,7 @@ from typing import Sequence
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
+from karma_fx.simulate import paused_gc
 from karma_fx.strategies.base import Strategy, leanest_swaps, timeline_of
 from karma_fx.strategies.bound import lower_bound_us
 from karma_fx.strategies.cpsat_capacity import solve_capacity
@@ -201,6 +202,10 @@ class CpSat:
         self.options = options or SolverOptions()
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
+        with paused_gc():  # hundreds of replays and big models built over one large problem
+            return self._plan(problem, costs, budget_bytes)
+
+    def _plan(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         keep = timeline_of(problem, costs, ())
         if keep.peak_bytes <= budget_bytes:
             return Plan(strategy=self.name, budget_bytes=budget_bytes, status="OPTIMAL",
