@@ -70,8 +70,8 @@ class Greedy:
             return float("inf") if chain is None else chain[0] / g.storage.size_bytes * 1e6
 
         # Long-gap, dear tensors first; a tensor whose gap cannot hide its two copies is never swapped.
-        swappable = [g for g in gaps
-                     if start[g.first_bwd_use] - start[g.storage.producer + 1]
+        swappable = [g for g in gaps if g.storage.size_bytes >= costs.copy_latency_us * costs.d2h_bytes_per_us
+                     and start[g.first_bwd_use] - start[g.storage.producer + 1]
                      >= 2 * (costs.copy_time_us(g.storage.size_bytes, "d2h") + costs.copy_time_us(g.storage.size_bytes, "h2d"))]
         swappable.sort(key=lambda g: (-dearness(g), g.storage.producer, g.storage.name))
         cheap_first = sorted((g for g in gaps if chains[g.storage.name] is not None),
@@ -141,6 +141,7 @@ class Greedy:
         ``judged`` remembers its verdicts across pools and quotas): (fits, (peak or 0, step time), decisions,
         label)."""
         everything = frozenset(g.storage.name for g in gaps)
+        all_gaps = saved_gaps(problem)
 
         def timeline(decisions: tuple[Decision, ...]):
             if decisions not in judged:
@@ -151,7 +152,7 @@ class Greedy:
             recomputed = {g.storage.name for g, kind in pool[:k] if kind == "recompute"}
             swaps = just_in_time(problem, costs, swapped, start) \
                 + just_in_time(problem, costs, [g for g, kind in pool[:k] if kind == "swap"], start, release=True)
-            return reconcile(problem, swaps + decisions_for_saved(problem, everything - recomputed, builder))
+            return reconcile(problem, swaps + decisions_for_saved(problem, everything - recomputed, builder, all_gaps))
 
         def fits(k: int) -> bool:
             return timeline(plan_with(k)).peak_bytes <= budget_bytes

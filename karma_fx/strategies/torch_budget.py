@@ -19,9 +19,11 @@ SavedSetFn = Callable[[float], frozenset[str]]
 GRID = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 
 
-def decisions_for_saved(problem: Problem, saved: frozenset[str], builder: RecomputeBuilder) -> list[Decision]:
-    """Recompute every saved activation outside ``saved``, grouped by where the backward first needs it."""
-    gaps = [g for g in saved_gaps(problem) if g.storage.name not in saved]
+def decisions_for_saved(problem: Problem, saved: frozenset[str], builder: RecomputeBuilder,
+                        all_gaps: list[Gap] | None = None) -> list[Decision]:
+    """Recompute every saved activation outside ``saved``, grouped by where the backward first needs it
+    (``all_gaps``: ``saved_gaps(problem)``, if the caller has it already)."""
+    gaps = [g for g in (saved_gaps(problem) if all_gaps is None else all_gaps) if g.storage.name not in saved]
     recomputable = [g for g in gaps if problem.ops[g.storage.producer or 0].recomputable]
     dropped = {g.storage.name for g in recomputable}
     by_reload: dict[int, list[Gap]] = {}
