@@ -107,3 +107,26 @@ def test_random_ops_are_never_recomputed():
     p = replace(p, ops=tuple(ops), _index={}, _op_index={})
     with pytest.raises(InvalidPlanError, match="random"):
         simulate(p, [Recompute(("A",), ("f0",), "b1")], flat_costs(p))
+
+
+def test_figures_without_detail_are_the_same_and_the_gc_is_left_as_it_was():
+    import gc
+
+    from karma_fx.simulate import paused_gc
+
+    p, costs = chain_problem(), flat_costs(chain_problem())
+    plan = (Offload("A", offload_after="f0", free_after="f1", prefetch_at="b2", reload_before="b1"),)
+    full, lean = simulate(p, plan, costs), simulate(p, plan, costs, detail=False)
+    assert full.rows and full.peak_storages and not lean.rows and not lean.peak_storages
+    assert (lean.peak_bytes, lean.makespan_us, lean.memory, lean.stall_us, lean.peak_op) == \
+        (full.peak_bytes, full.makespan_us, full.memory, full.stall_us, full.peak_op)
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        simulate(p, plan, costs)
+        assert not gc.isenabled()  # a caller's choice to run without the collector is kept
+    finally:
+        gc.enable()
