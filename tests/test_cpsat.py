@@ -110,3 +110,27 @@ def test_lower_bound_is_tight_on_the_chain(bytes_per_us, optimum):
     assert lower_bound_us(p, costs, 100, base) is None
     plan = CpSat(options=EXACT)(p, costs, 3114)
     assert plan.lower_bound_us == pytest.approx(optimum, rel=1e-6)
+
+
+def test_a_window_replaces_a_stalling_swap_by_the_recompute_it_can_afford():
+    from karma_fx.plan import Recompute
+    from karma_fx.strategies.cpsat_window import refine_in_windows, window_candidates
+
+    p = chain_problem()
+    slow = flat_costs(p, bytes_per_us=10.0)  # copying A takes 100 µs, rebuilding it 10 µs
+    swap = (Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1", reload_before="b1",
+                    release_before="loss"),)
+    assert simulate(p, swap, slow).peak_bytes <= 3114 and simulate(p, swap, slow).makespan_us > 150
+    cands = candidates(p, min_bytes=1)
+    opts = SolverOptions(time_limit_s=2, memory_unit_bytes=1)
+    refined, notes = refine_in_windows(p, slow, 3114, swap, cands, size=30, max_windows=1, options=opts)
+    assert [type(d).__name__ for d in refined] == ["Recompute"] and refined[0].tensors == ("A",), notes
+    assert simulate(p, refined, slow).makespan_us == pytest.approx(70.0)  # the chain's optimum
+    # With B recomputed outside the window, A cannot be rebuilt (B's chain reads it) and a chain that
+    # reads a tensor the outside has moved loses its recompute option.
+    outside = (Recompute(tensors=("B",), ops=("f1",), reload_before="b2"),)
+    a = next(c for c in cands if c.name == "A")
+    assert a.chain is not None and window_candidates(p, [a], outside)[0].chain is None
+    # A window never hands back a plan that is slower or does not fit.
+    kept, _ = refine_in_windows(p, slow, 3114, refined, cands, size=30, max_windows=1, options=opts)
+    assert simulate(p, kept, slow).makespan_us <= 70.0 + 1e-9

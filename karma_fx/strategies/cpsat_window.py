@@ -1,0 +1,110 @@
+"""The exact planner's refinement: the tensor-level CP-SAT model re-solved inside a window of candidates,
+everything outside pinned to the incumbent plan (``shared/research/cpsat.md``, "window").
+
+The whole-graph model does not scale past a few hundred candidates and cannot express the grouped recomputes
+the heuristics build, so it rarely beats them there. A window can: the incumbent's decisions outside it stay
+as they are (their device bytes become the window model's base memory, measured by the simulator), and inside
+it the model chooses keep / offload (release, prefetch) / recompute per tensor, warm-started from the
+incumbent's own choices (``AddHint`` with a completed assignment). A window whose incumbent choices the model
+cannot express (no hint) is skipped: without a start the model's few seconds find nothing better. The model
+times only the window's copies, so the simulator has the last word: a window's plan replaces the incumbent
+only if it fits and is faster.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from karma_fx.costs import Costs
+from karma_fx.errors import InvalidPlanError
+from karma_fx.plan import Decision, Plan, Recompute
+from karma_fx.problem import Problem
+from karma_fx.simulate import Timeline
+from karma_fx.strategies.base import reconcile, timeline_of
+from karma_fx.strategies.cpsat_model import Candidate
+
+
+def per_op_memory(problem: Problem, timeline: Timeline) -> list[int]:
+    """Device bytes at every op of the step, a recompute chain's steps counted at the op it serves."""
+    out = [0] * len(problem.ops)
+    pending = 0
+    for interval, (_, live) in zip((iv for iv in timeline.compute if iv.kind != "stall"), timeline.memory):
+        if interval.kind == "recompute":
+            pending = max(pending, live)
+        else:
+            i = problem.op_index(interval.label)
+            out[i], pending = max(live, pending), 0
+    return out
+
+
+def _moved(d: Decision) -> set[str]:
+    return set(d.tensors) if isinstance(d, Recompute) else {getattr(d, "tensor")}
+
+
+def _chain_reads(problem: Problem, d: Recompute) -> set[str]:
+    ops = [problem.ops[problem.op_index(o)] for o in d.ops]
+    made = {s for op in ops for s in op.outputs}
+    return {s for op in ops for s in op.inputs} - made
+
+
+def window_candidates(problem: Problem, window: list[Candidate], outside: Sequence[Decision]) -> list[Candidate]:
+    """The window's candidates as the pinned plan leaves them: a recompute chain may read only what the
+    outside keeps on the device, and a tensor that an outside chain reads is not recomputed (it must be there
+    for that chain); a chain's reads of other window tensors stay constraints of the model."""
+    names = {c.name for c in window}
+    away = set().union(*(_moved(d) for d in outside)) if outside else set()
+    read_outside = set().union(*(_chain_reads(problem, d) for d in outside if isinstance(d, Recompute))) \
+        if outside else set()
+    out = []
+    for c in window:
+        if c.chain is not None:
+            reads = {s for i in c.chain for s in problem.ops[i].inputs}
+            if reads & away or c.name in read_outside:
+                c = dataclasses.replace(c, chain=None, needs_kept=[], extends=[])
+        out.append(dataclasses.replace(c, needs_kept=[t for t in c.needs_kept if t in names]))
+    return out
+
+
+def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbent: tuple[Decision, ...],
+                      cands: list[Candidate], *, size: int, max_windows: int, options) -> tuple[tuple[Decision, ...], list[str]]:
+    """Re-solve up to ``max_windows`` windows of ``size`` candidates, the last-produced first (their tensors
+    are the ones alive at the forward/backward turn, where the peak is); return the improved decisions and
+    a note per window."""
+    from karma_fx.strategies.cpsat import Model, choices_from_plan
+
+    ordered = sorted(cands, key=lambda c: (c.producer, c.name))
+    current = incumbent
+    best_us = timeline_of(problem, costs, current).makespan_us
+    notes: list[str] = []
+    ends = list(range(len(ordered), 0, -size))[:max_windows]
+    for end in ends:
+        start = max(0, end - size)
+        window = ordered[start:end]
+        names = {c.name for c in window}
+        outside = tuple(d for d in current if not (_moved(d) & names))
+        wcands = window_candidates(problem, window, outside)
+        base = per_op_memory(problem, timeline_of(problem, costs, outside))
+        model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
+        incumbent_plan = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
+        _, hint = model.evaluate(choices_from_plan(problem, wcands, incumbent_plan), options)
+        label = f"window {start}-{end - 1}"
+        if hint is None:
+            notes.append(f"{label}: incumbent not expressible, skipped")
+            continue
+        result = model.solve(options, hint)
+        if result is None:
+            notes.append(f"{label}: no solution")
+            continue
+        status, choices, _, _ = result
+        try:
+            trial = reconcile(problem, list(outside) + list(model.decisions(choices)))
+            tl = timeline_of(problem, costs, trial)
+        except (InvalidPlanError, ValueError) as exc:
+            notes.append(f"{label}: {status} plan rejected by the simulator ({exc})")
+            continue
+        if tl.peak_bytes <= budget_bytes and tl.makespan_us < best_us - 1e-6:
+            notes.append(f"{label}: {status}, {best_us / 1e3:.3f} -> {tl.makespan_us / 1e3:.3f} ms")
+            current, best_us = trial, tl.makespan_us
+        else:
+            notes.append(f"{label}: {status}, no gain")
+    return current, notes
