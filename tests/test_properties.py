@@ -101,12 +101,17 @@ def test_lp_bound_holds_for_every_plan_that_fits(step):
 @SETTINGS
 @given(steps())
 def test_cpsat_step_time_never_falls_as_the_budget_shrinks(step):
-    """Not true by construction (cpsat returns the best of its models and heuristics, each a search of its
-    own), so it is checked: a tighter budget never yields a faster simulated step."""
+    """A tighter budget never yields a faster simulated step, beyond the 1% cpsat may leave on the table:
+    it stops searching once a plan is within ``good_enough_gap`` of the LP bound, and a plan it then finds
+    at a tighter budget (seen once in a throwaway sweep of 320 budget pairs: 482.0 against 483.9 µs) also
+    fits the looser one. Not true by construction beyond that (each model and heuristic is a search of its
+    own), so it is checked."""
     problem, costs, _ = step
-    planner = CpSat([make_strategy(h) for h in HEURISTICS], SolverOptions(time_limit_s=2, memory_unit_bytes=1))
+    options = SolverOptions(time_limit_s=2, memory_unit_bytes=1)
+    planner = CpSat([make_strategy(h) for h in HEURISTICS], options)
     times = []
     for fraction in (0.9, 0.6, 0.3, 0.0):
         budget, _, _ = budget_between(problem, costs, fraction)
         times.append(simulate(problem, planner(problem, costs, budget), costs).makespan_us)
-    assert all(later >= earlier - 1e-6 for earlier, later in zip(times, times[1:])), times
+    slack = 1 + options.good_enough_gap
+    assert all(later * slack >= earlier - 1e-6 for earlier, later in zip(times, times[1:])), times
