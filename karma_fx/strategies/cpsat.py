@@ -42,9 +42,10 @@ class SolverOptions:
     max_windows: int = 4
     """The rolling-window refinement (``cpsat_window``): at most this many windows of ``window_size``
     candidates are re-solved around the best plan."""
-    max_window_ops: int = 4000
-    """No windows on graphs with more ops: each window model times every op, and ResNet-1001 (7678 ops)
-    would spend ~10 s a window against the 60 s planning target."""
+    max_window_ops: int = 2000
+    """No windows on graphs with more ops: each window model times every op. Measured (bench/compare.py):
+    windows gained on resnet50 (403 ops) and resnet200 (1553), never on megatron_gpt (2755), where they
+    cost ~25 s a plan, nor on any transformer; with them cpsat took 182 s on gpt2 with 48 layers (3545 ops)."""
 
 
 @dataclass
