@@ -125,7 +125,7 @@ def test_greedy_recomputes_when_copies_are_slow_and_drops_waits_the_budget_does_
     assert loosen_releases(p, slow, 3114, waiting) == (waiting, 0)  # there the wait is what makes it fit
 
 
-def test_bounded_pools_let_each_chain_rebuild_at_most_a_neighbour_or_two():
+def test_bounded_orders_let_each_chain_rebuild_at_most_a_neighbour_or_two():
     from karma_fx.strategies.base import RecomputeBuilder, saved_gaps
     from karma_fx.strategies.greedy import bounded_drops, rebuild_chain
 
@@ -146,5 +146,5 @@ def test_bounded_pools_let_each_chain_rebuild_at_most_a_neighbour_or_two():
     assert taken(1.5) == ["a0", "a2", "a4"]
     # 2.5x: a chain may rebuild one dropped neighbour (a1 from x via a0), not two.
     assert taken(2.5) == ["a0", "a1", "a3", "a4"]
-    assert taken(100.0) == [f"a{i}" for i in range(6)]  # unbounded: the first pool's order
+    assert taken(100.0) == [f"a{i}" for i in range(6)]  # unbounded: the cheap-first order
     assert "a1" not in taken(2.5, away={"a1"})  # swapped tensors are not recomputed

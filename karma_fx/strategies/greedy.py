@@ -148,7 +148,7 @@ class Greedy:
     def _fit(problem: Problem, costs: Costs, budget_bytes: int, builder: RecomputeBuilder, gaps: list[Gap],
              swapped: list[Gap], pool: list[tuple[Gap, str]], start: list[float], label: str, judged: dict):
         """Evict the shortest prefix of ``pool`` that fits (bisection; the simulator judges every probe, and
-        ``judged`` remembers its verdicts across pools and quotas): (fits, (peak or 0, step time), decisions,
+        ``judged`` remembers its verdicts across orders and quotas): (fits, (peak or 0, step time), decisions,
         label)."""
         everything = frozenset(g.storage.name for g in gaps)
         all_gaps = saved_gaps(problem)
@@ -192,9 +192,9 @@ def bounded_drops(problem: Problem, costs: Costs, builder: RecomputeBuilder, che
     """Rebuildable tensors, cheapest first, each taken only if its chain, rebuilt from what is left after
     the tensors taken before it, costs at most ``growth`` times its chain alone.
 
-    Between the first pool (chains grow without limit: on a ResNet each layer ends up rebuilding the stretch
-    before it) and the local one (no chain may read a dropped tensor: a ResNet can then drop only its ReLU
-    outputs, half its bytes), this lets a chain rebuild a neighbour or two. Chains taken earlier may still
+    Between the cheap-first order (chains grow without limit: on a ResNet each layer ends up rebuilding the
+    stretch before it) and the local one (no chain may read a dropped tensor: a ResNet can then drop only its
+    ReLU outputs, half its bytes), this lets a chain rebuild a neighbour or two. Chains taken earlier may still
     grow when a tensor they read is taken later; also bounding those was tried and measured worse (resnet200
     at 0.25: 1.296x against 1.176x), because recomputes grouped at one backward read share their ops."""
     dropped: set[str] = set()
