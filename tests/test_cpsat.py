@@ -123,7 +123,8 @@ def test_a_window_replaces_a_stalling_swap_by_the_recompute_it_can_afford():
     assert simulate(p, swap, slow).peak_bytes <= 3114 and simulate(p, swap, slow).makespan_us > 150
     cands = candidates(p, min_bytes=1)
     opts = SolverOptions(time_limit_s=2, memory_unit_bytes=1)
-    refined, notes = refine_in_windows(p, slow, 3114, swap, cands, size=30, max_windows=1, options=opts)
+    refined, notes = refine_in_windows(p, slow, 3114, swap, simulate(p, swap, slow).makespan_us, cands, size=30,
+                                       max_windows=1, options=opts)
     assert [type(d).__name__ for d in refined] == ["Recompute"] and refined[0].tensors == ("A",), notes
     assert simulate(p, refined, slow).makespan_us == pytest.approx(70.0)  # the chain's optimum
     # With B recomputed outside the window, A cannot be rebuilt (B's chain reads it) and a chain that
@@ -132,5 +133,6 @@ def test_a_window_replaces_a_stalling_swap_by_the_recompute_it_can_afford():
     a = next(c for c in cands if c.name == "A")
     assert a.chain is not None and window_candidates(p, [a], outside)[0].chain is None
     # A window never hands back a plan that is slower or does not fit.
-    kept, _ = refine_in_windows(p, slow, 3114, refined, cands, size=30, max_windows=1, options=opts)
+    kept, _ = refine_in_windows(p, slow, 3114, refined, simulate(p, refined, slow).makespan_us, cands, size=30,
+                                max_windows=1, options=opts)
     assert simulate(p, kept, slow).makespan_us <= 70.0 + 1e-9

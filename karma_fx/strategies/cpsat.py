@@ -286,9 +286,9 @@ class CpSat:
         if len(problem.ops) <= opts.max_window_ops and best[0] > proven * (1 + opts.good_enough_gap):
             window_opts = SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed,
                                         memory_unit_bytes=opts.memory_unit_bytes)
-            refined, window_notes = refine_in_windows(problem, costs, budget_bytes, best[1].decisions, all_cands,
-                                                      size=opts.window_size, max_windows=opts.max_windows,
-                                                      options=window_opts)
+            refined, window_notes = refine_in_windows(problem, costs, budget_bytes, best[1].decisions, best[0],
+                                                      all_cands, size=opts.window_size,
+                                                      max_windows=opts.max_windows, options=window_opts)
             notes.extend(window_notes)
             if refined != best[1].decisions:
                 origin = "the exact model" if best[1].strategy == self.name else best[1].strategy

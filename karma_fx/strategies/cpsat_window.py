@@ -66,15 +66,15 @@ def window_candidates(problem: Problem, window: list[Candidate], outside: Sequen
 
 
 def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbent: tuple[Decision, ...],
-                      cands: list[Candidate], *, size: int, max_windows: int, options) -> tuple[tuple[Decision, ...], list[str]]:
+                      incumbent_us: float, cands: list[Candidate], *, size: int, max_windows: int,
+                      options) -> tuple[tuple[Decision, ...], list[str]]:
     """Re-solve up to ``max_windows`` windows of ``size`` candidates, the last-produced first (their tensors
-    are the ones alive at the forward/backward turn, where the peak is); return the improved decisions and
-    a note per window."""
+    are the ones alive at the forward/backward turn, where the peak is), around ``incumbent`` (simulated step
+    ``incumbent_us``); return the improved decisions and a note per window."""
     from karma_fx.strategies.cpsat import Model, choices_from_plan
 
     ordered = sorted(cands, key=lambda c: (c.producer, c.name))
-    current = incumbent
-    best_us = timeline_of(problem, costs, current).makespan_us
+    current, best_us = incumbent, incumbent_us
     notes: list[str] = []
     ends = list(range(len(ordered), 0, -size))[:max_windows]
     for end in ends:
