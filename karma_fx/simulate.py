@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import bisect
 import gc
-from contextlib import contextmanager
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -249,7 +249,7 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
         if st.producer is None and n_ops and st.name not in streamed_names:
             arrivals[first_item[min(st.arrives_at, n_ops - 1)]].append(st.name)
 
-    size_of = {st.name: st.size_bytes for st in problem.storages}
+    size_of = {st.name: st.size_bytes for st in problem.storages}  # a plain dict: faster than storage() here
 
     def new_instance(name: str, k: int) -> int:
         instances.append(_Instance(name, size_of[name], k))
