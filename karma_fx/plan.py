@@ -174,49 +174,70 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """The plan ``to_dict`` wrote. Every field's type is checked first (a hand-edited or truncated file must
+        not surface later as a deep error in the rewrite), then every tensor may be moved by one decision only."""
         from karma_fx.errors import PlanFormatError
 
         if not isinstance(data, dict):
-            raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}")
+            raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}; pass what Plan.to_dict "
+                                  "or Plan.save wrote")
         version = data.get("schema_version")
-        if version not in READABLE_VERSIONS:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise PlanFormatError(f"plan schema_version {version!r} is not one of {READABLE_VERSIONS}; "
                                   "re-plan the model")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names - {"schema_version"}
         if unknown:
-            raise PlanFormatError(f"unknown plan fields: {sorted(unknown)}")
+            raise PlanFormatError(f"unknown plan fields: {sorted(unknown)}; remove them or re-plan the model")
         kwargs = {k: v for k, v in data.items() if k in names}
-        try:
-            kwargs["decisions"] = tuple(_decision_from_dict(d) for d in kwargs.get("decisions", ()))
-            kwargs["schedule"] = tuple(
-                ScheduleRow(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
-                for r in kwargs.get("schedule", ())
-            )
-            kwargs["notes"] = tuple(kwargs.get("notes", ()))
-            plan = cls(**kwargs)
-        except (TypeError, KeyError, ValueError, AttributeError) as exc:
-            raise PlanFormatError(f"malformed plan: {exc}") from exc
-        _check_types(plan)
+        _check_record(kwargs, cls, "plan")
+        kwargs["decisions"] = tuple(_decision_from_dict(d, f"decisions[{i}]")
+                                    for i, d in enumerate(kwargs.get("decisions", ())))
+        kwargs["schedule"] = tuple(ScheduleRow(**{k: tuple(v) if isinstance(v, (list, tuple)) else v
+                                                  for k, v in r.items()})
+                                   for r in kwargs.get("schedule", ()))
+        kwargs["notes"] = tuple(kwargs.get("notes", ()))
+        plan = cls(**kwargs)
+        _check_one_decision_per_tensor(plan.decisions)
         return plan
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str | bytes) -> "Plan":
         from karma_fx.errors import PlanFormatError
 
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanFormatError(f"plan is not valid JSON: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise PlanFormatError(f"plan is not UTF-8 text ({exc.reason} at byte {exc.start}); pass the JSON file "
+                                  "that Plan.save wrote") from None
+        except ValueError as exc:  # json.JSONDecodeError
+            raise PlanFormatError(f"plan is not valid JSON: {exc}; pass the file that Plan.save wrote") from None
+        except RecursionError:
+            raise PlanFormatError("plan is not a plan: its JSON is nested too deeply to read; pass the file that "
+                                  "Plan.save wrote") from None
+        except TypeError as exc:
+            raise PlanFormatError(f"a plan is JSON text, got {type(text).__name__}") from exc
         return cls.from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(Path(path).read_text())
+        """Read a plan written by ``save``; any unreadable file is a ``PlanFormatError`` naming the path."""
+        from karma_fx.errors import PlanFormatError
+
+        try:
+            raw = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise PlanFormatError(f"no plan file at {str(path)!r}; check the path") from None
+        except OSError as exc:
+            raise PlanFormatError(f"cannot read the plan file {str(path)!r}: {exc.strerror or exc}") from None
+        try:
+            return cls.from_json(raw)
+        except PlanFormatError as exc:
+            raise PlanFormatError(f"{path}: {exc}") from None
 
 
 _KINDS = {"offload": "Offload", "recompute": "Recompute", "stream_weight": "StreamWeight",
@@ -229,41 +250,102 @@ def _decision_to_dict(d: Decision) -> dict[str, Any]:
     return {"kind": kind, **body}
 
 
-def _check_types(plan: Plan) -> None:
-    """Reject a plan whose fields have the wrong types (hand-edited JSON), naming the field."""
+# ---- reading JSON back: types checked field by field ---------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a byte count
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_strings(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
+
+
+def _is_records(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, dict) for x in v)
+
+
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (_is_int, "an integer"),
+    "float": (_is_number, "a number"),
+    "str | None": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "int | None": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "float | None": (lambda v: v is None or _is_number(v), "a number or null"),
+    "tuple[str, ...]": (_is_strings, "a list of strings"),
+    "tuple[Decision, ...]": (_is_records, "a list of objects"),
+    "tuple[ScheduleRow, ...]": (_is_records, "a list of objects"),
+    "tuple[Window, ...]": (_is_records, "a list of objects"),
+}
+"""Annotation (as written in the dataclasses above) → its JSON check. A field with an annotation missing here
+fails ``_SHAPES`` at import, so a new field cannot silently go unchecked."""
+
+
+def _shape(cls: type) -> dict[str, tuple[Any, str, bool]]:
+    """Each field of ``cls``: (check, what it must be, required)."""
+    return {f.name: (*_CHECKS[str(f.type)],
+                     f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)}
+
+
+_SHAPES = {cls: _shape(cls) for cls in (Plan, Offload, Recompute, Window, StreamWeight, GradToHost, ScheduleRow)}
+
+
+def _check_record(data: dict[str, Any], cls: type, where: str) -> None:
+    """Reject a missing, unknown or wrongly typed field of ``cls`` in ``data``, naming it by its path."""
     from karma_fx.errors import PlanFormatError
 
-    if not isinstance(plan.strategy, str) or not isinstance(plan.budget_bytes, int) or isinstance(plan.budget_bytes, bool):
-        raise PlanFormatError("malformed plan: strategy must be a string and budget_bytes an integer")
-    for d in plan.decisions:
-        if isinstance(d, (StreamWeight, GradToHost)):
-            windows = d.windows if isinstance(d, StreamWeight) else ()
-            names = (d.tensor,) + tuple(getattr(w, f.name) for w in windows for f in dataclasses.fields(Window))
-            if not all(isinstance(n, str) for n in names) or not all(isinstance(w, Window) for w in windows):
-                raise PlanFormatError(f"malformed plan: decision {d} must name tensors and ops with strings")
+    shape = _SHAPES[cls]
+    unknown = sorted(set(data) - set(shape))
+    if unknown:
+        raise PlanFormatError(f"malformed plan: {where} has unknown fields {unknown}; fix the file or re-plan "
+                              "the model")
+    for name, (check, expected, required) in shape.items():
+        if name not in data:
+            if required:
+                raise PlanFormatError(f"malformed plan: {where} lacks {name!r}; fix the file or re-plan the model")
             continue
-        names = (d.tensors + d.ops + (d.reload_before,)) if isinstance(d, Recompute) else tuple(
-            getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "release_before") + (
-            (d.release_before,) if d.release_before is not None else ())
-        if not all(isinstance(n, str) for n in names):
-            raise PlanFormatError(f"malformed plan: decision {d} must name tensors and ops with strings")
+        if not check(data[name]):
+            raise PlanFormatError(f"malformed plan: {where}.{name} must be {expected}, got {data[name]!r:.80}; "
+                                  "fix the file or re-plan the model")
+    for i, row in enumerate(data.get("schedule", ()) if cls is Plan else ()):
+        _check_record(row, ScheduleRow, f"schedule[{i}]")
 
 
-def _decision_from_dict(data: dict[str, Any]) -> Decision:
+def _check_one_decision_per_tensor(decisions: tuple[Decision, ...]) -> None:
+    """Two decisions about one tensor (offloaded twice, offloaded and recomputed, in two recompute chains)
+    contradict each other: the rewrite would free or rebuild it twice."""
+    from karma_fx.errors import PlanFormatError
+
+    seen: dict[str, int] = {}
+    for i, d in enumerate(decisions):
+        for tensor in (d.tensors if isinstance(d, Recompute) else (d.tensor,)):
+            if tensor in seen:
+                where = f"decisions {seen[tensor]} and {i}" if seen[tensor] != i else f"decision {i}"
+                raise PlanFormatError(f"malformed plan: {where} both move tensor {tensor!r}; keep one decision per "
+                                      "tensor or re-plan the model")
+            seen[tensor] = i
+
+
+def _decision_from_dict(data: Any, where: str) -> Decision:
+    from karma_fx.errors import PlanFormatError
+
     if not isinstance(data, dict):
-        raise TypeError(f"a decision is a JSON object, got {data!r}")
-    data = dict(data)
-    kind = data.pop("kind")
-    if kind == "offload":
-        return Offload(**data)
-    if kind == "recompute":
-        if not isinstance(data["tensors"], list) or not isinstance(data["ops"], list):
-            raise TypeError("recompute tensors and ops must be lists")
-        return Recompute(tensors=tuple(data["tensors"]), ops=tuple(data["ops"]), reload_before=data["reload_before"])
-    if kind == "stream_weight":
-        if not isinstance(data["windows"], list) or not all(isinstance(w, dict) for w in data["windows"]):
-            raise TypeError("stream_weight windows must be a list of objects")
-        return StreamWeight(tensor=data["tensor"], windows=tuple(Window(**w) for w in data["windows"]))
-    if kind == "grad_to_host":
-        return GradToHost(**data)
-    raise KeyError(f"decision kind {kind!r}")
+        raise PlanFormatError(f"malformed plan: {where} must be an object, got {data!r:.80}; fix the file or "
+                              "re-plan the model")
+    body = dict(data)
+    kind = body.pop("kind", None)
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise PlanFormatError(f"malformed plan: {where}.kind is {kind!r:.40}, not one of {sorted(_KINDS)}; fix the "
+                              "file or re-plan the model")
+    cls = {"Offload": Offload, "Recompute": Recompute, "StreamWeight": StreamWeight,
+           "GradToHost": GradToHost}[_KINDS[kind]]
+    where = f"{where} ({kind})"
+    _check_record(body, cls, where)
+    if cls is StreamWeight:
+        for j, w in enumerate(body["windows"]):
+            _check_record(w, Window, f"{where}.windows[{j}]")
+        body["windows"] = tuple(Window(**w) for w in body["windows"])
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
