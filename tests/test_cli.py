@@ -150,3 +150,168 @@ def test_plan_with_weights_offloaded(capsys):
     assert main(["plan", "mlp", "--size", "tiny", "--budget", "0.6", "--max-rows", "0", "--offload-weights"]) == 0
     out = capsys.readouterr().out
     assert "streamed from the host" in out
+
+
+# ---- progress display and logging (karma_fx.progress) -----------------------------------------------------
+def test_progress_display_shows_stage_strategy_and_best_plan(capsys, monkeypatch):
+    from karma_fx import progress
+
+    monkeypatch.setenv("KARMA_PROGRESS", "1")
+    with progress.planning("cnn-tiny", show_after_s=0.0):
+        progress.report("heuristics", strategy="greedy", slowdown=1.065, peak_bytes=3 << 20)
+        text = progress.current_text()
+        progress.report("solver, exact pass", strategy="cpsat")
+    assert text == "planning cnn-tiny: heuristics, strategy greedy, best 1.065x at 3.00 MiB"
+    err = capsys.readouterr().err
+    assert "heuristics, strategy greedy" in err and "solver, exact pass, strategy cpsat, best 1.065x" in err
+    assert progress.current_text() is None
+
+
+def test_progress_plain_lines_without_tqdm(capsys, monkeypatch):
+    from karma_fx import progress
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with progress.planning("cnn-tiny", enabled=True, show_after_s=0.0):
+        progress.report("capture")
+        progress.report("capture")  # unchanged: not repeated
+    assert capsys.readouterr().err.count("karma-fx: planning cnn-tiny: capture\n") == 1
+
+
+def test_progress_stays_quiet_for_quick_or_disabled_plannings(capsys, monkeypatch):
+    from karma_fx import progress
+
+    monkeypatch.setenv("KARMA_PROGRESS", "1")
+    with progress.planning("quick", show_after_s=60):
+        progress.report("capture", strategy="karma")
+    monkeypatch.setenv("KARMA_PROGRESS", "0")
+    with progress.planning("off", enabled=True, show_after_s=0.0):
+        progress.report("capture", strategy="karma")
+    monkeypatch.delenv("KARMA_PROGRESS")
+    with progress.planning("not a terminal", show_after_s=0.0):  # pytest's stderr is no TTY
+        progress.report("capture")
+    progress.report("outside any planning")  # a no-op, not an error
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_is_per_context(monkeypatch):
+    import threading
+
+    from karma_fx import progress
+
+    seen = []
+    with progress.planning("outer", enabled=False):
+        with progress.planning("inner"):
+            progress.report("lower bound")
+            seen.append(progress.current_text())
+        seen.append(progress.current_text())
+        worker = threading.Thread(target=lambda: seen.append(progress.current_text()))
+        worker.start()
+        worker.join()
+    assert seen == ["planning inner: lower bound", "planning outer: lower bound", None]
+
+
+def test_cpsat_logs_its_stages_to_the_karma_fx_logger(caplog, tiny_cnn):
+    import logging
+
+    from karma_fx import progress
+    from karma_fx.strategies import make_strategy
+
+    problem, costs, budget = tiny_cnn
+    caplog.set_level(logging.INFO, logger="karma_fx")
+    with progress.planning("cnn-tiny", enabled=False):
+        make_strategy("cpsat")(problem, costs, budget)
+    messages = [r.getMessage() for r in caplog.records if r.name == "karma_fx" and r.levelno == logging.INFO]
+    assert "planning cnn-tiny: lower bound, strategy cpsat" in messages
+    for name in ("checkpoint", "offload", "karma", "greedy"):
+        assert any(m.startswith(f"planning cnn-tiny: heuristics, strategy {name}") for m in messages), messages
+    assert any("swap quota 0" in m and "strategy greedy" in m for m in messages)
+    assert any(" best " in m and "x at " in m for m in messages)  # the best fitting plan so far
+
+
+# ---- time limits --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_cnn():
+    import karma_fx
+    from karma_fx.budget import parse_budget
+    from karma_fx.zoo import build
+
+    prepared = karma_fx.prepare(*build("cnn", "tiny"), device="h100", name="cnn-tiny")
+    return prepared.problem, prepared.costs, parse_budget(0.8, prepared.unplanned_peak_bytes)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True])
+def test_time_limit_must_be_a_positive_number(bad):
+    from karma_fx.errors import KarmaError
+    from karma_fx.strategies import make_strategy
+
+    with pytest.raises(KarmaError, match="time_limit_s") as info:
+        make_strategy("cpsat", time_limit_s=bad)
+    assert repr(bad) in str(info.value)
+
+
+def test_cpsat_with_a_time_limit_returns_a_fitting_plan(tiny_cnn):
+    import time
+
+    from karma_fx.simulate import simulate
+    from karma_fx.strategies import make_strategy
+
+    problem, costs, budget = tiny_cnn
+    t0 = time.perf_counter()
+    plan = make_strategy("cpsat", time_limit_s=1.0)(problem, costs, budget)
+    assert time.perf_counter() - t0 < 6
+    assert simulate(problem, plan, costs).peak_bytes <= budget
+
+
+class _Sleepy:
+    """A slow heuristic: karma's plan, after a nap."""
+
+    name = "sleepy"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def __call__(self, problem, costs, budget_bytes):
+        import time
+
+        from karma_fx.strategies import make_strategy
+
+        self.calls += 1
+        time.sleep(self.seconds)
+        return make_strategy("karma")(problem, costs, budget_bytes).replace(strategy=self.name)
+
+
+def test_cpsat_starts_no_new_work_past_its_time_limit(tiny_cnn):
+    import time
+
+    from karma_fx.strategies import CpSat
+
+    problem, costs, budget = tiny_cnn
+    sleepy = _Sleepy(0.4)
+    t0 = time.perf_counter()
+    plan = CpSat([sleepy] * 10, time_limit_s=1.0)(problem, costs, budget)  # 4 s of heuristics without a limit
+    assert time.perf_counter() - t0 < 3 and sleepy.calls <= 4
+    assert plan.status == "FALLBACK:sleepy"
+    assert plan.notes[-1] == "stopped at the 1 s time limit; the plan may be slower than with more time"
+
+
+def test_past_the_limit_before_any_plan_the_cheapest_heuristic_still_runs(tiny_cnn):
+    from karma_fx.simulate import simulate
+    from karma_fx.strategies import make_strategy
+
+    problem, costs, budget = tiny_cnn
+    for name in ("cpsat", "greedy"):
+        plan = make_strategy(name, time_limit_s=1e-9)(problem, costs, budget)
+        assert simulate(problem, plan, costs).peak_bytes <= budget, (name, plan.notes)
+        assert any("time limit" in note for note in plan.notes), plan.notes
+        assert sum("time limit" in note for note in plan.notes) == 1  # said once, not per strategy
+
+
+def test_solver_runs_are_cut_to_the_time_left():
+    from karma_fx import progress
+    from karma_fx.strategies.cpsat import Model, SolverOptions
+
+    with progress.deadline(0.5):
+        solver = Model._solver(None, SolverOptions(), 20.0)  # type: ignore[arg-type]  # self is unused
+    assert solver.parameters.max_time_in_seconds <= 0.5
+    free = Model._solver(None, SolverOptions(), 20.0)  # type: ignore[arg-type]
+    assert free.parameters.max_time_in_seconds == 80.0  # no deadline: the solver's own cap, as before

@@ -5,6 +5,8 @@ be passed instead of a name.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable
 
 from karma_fx.strategies.base import Strategy
@@ -21,14 +23,33 @@ HEURISTICS = ("checkpoint", "offload", "torch-budget", "karma", "greedy")
 DEFAULT_STRATEGY = "cpsat"
 
 
-def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
-    """The strategy called ``name``; ``torch-budget`` needs PyTorch's saved-set oracle for the captured graph."""
+def check_time_limit(time_limit_s: float | None) -> float | None:
+    """``time_limit_s`` as a float, or a ``KarmaError`` naming it when it is not None or a finite number > 0."""
+    from karma_fx.errors import KarmaError
+
+    if time_limit_s is None:
+        return None
+    if (not isinstance(time_limit_s, numbers.Real) or isinstance(time_limit_s, bool)
+            or not math.isfinite(time_limit_s) or time_limit_s <= 0):
+        raise KarmaError(f"time_limit_s must be a finite number of seconds above 0, got {time_limit_s!r}; "
+                         "pass e.g. 30, or None for no limit")
+    return float(time_limit_s)
+
+
+def make_strategy(name: str, saved_set: SavedSetFn | None = None, *, time_limit_s: float | None = None) -> Strategy:
+    """The strategy called ``name``; ``torch-budget`` needs PyTorch's saved-set oracle for the captured graph.
+
+    ``time_limit_s`` bounds the wall-clock time of a call: ``cpsat`` and ``greedy`` stop starting new work at
+    it and return the best plan found so far (at least one plan is always made, and such a plan says so in
+    its notes). The other strategies make one pass each and take no limit (torch-budget's partitioner cannot
+    be cut short), but the value is still validated."""
+    limit = check_time_limit(time_limit_s)
     factories: dict[str, Callable[[], Strategy]] = {
         "keep": Keep,
         "checkpoint": Checkpoint,
         "offload": OffloadAll,
         "karma": Karma,
-        "greedy": Greedy,
+        "greedy": lambda: Greedy(time_limit_s=limit),
     }
     if name == "torch-budget":
         if saved_set is None:
@@ -38,7 +59,7 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
         # Our heuristics are the exact planner's fallbacks. torch-budget is not among them: PyTorch's
         # partitioner costs 30-100 s per real model (9 fractions), and in bench/compare it fits in 10 cells,
         # each of which greedy or karma wins (e.g. gpt2 at 0.5: 1.318x against 1.073x).
-        return CpSat([make_strategy(h) for h in HEURISTICS if h != "torch-budget"])
+        return CpSat([make_strategy(h) for h in HEURISTICS if h != "torch-budget"], time_limit_s=limit)
     if name not in factories:
         from karma_fx.errors import KarmaError
 
@@ -46,5 +67,6 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None) -> Strategy:
     return factories[name]()
 
 
-__all__ = ["STRATEGY_NAMES", "HEURISTICS", "DEFAULT_STRATEGY", "CpSat", "SolverOptions", "Strategy", "make_strategy", "Checkpoint", "Greedy", "Karma", "Keep",
+__all__ = ["STRATEGY_NAMES", "HEURISTICS", "DEFAULT_STRATEGY", "CpSat", "SolverOptions", "Strategy", "make_strategy",
+           "check_time_limit", "Checkpoint", "Greedy", "Karma", "Keep",
            "OffloadAll", "TorchBudget"]

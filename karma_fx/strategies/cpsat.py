@@ -5,6 +5,12 @@ step time of the compute stream and the two copy streams (model: ``cpsat_model.p
 It is never worse than the heuristics: every heuristic plan that fits is simulated, the best one is the
 fallback, and the solver's plan is kept only if the simulator confirms it is at least as fast. The status
 says which won: OPTIMAL / FEASIBLE (solver, with its bound) or FALLBACK:<strategy>.
+
+``CpSat(time_limit_s=...)`` bounds the whole call by the wall clock (``karma_fx.progress.deadline``): the lower
+bound, each heuristic, each solver model and each window starts only while time is left, every solve is cut to
+the time left, and the best plan so far is returned, noting that the limit stopped it. Until some heuristic
+has made a plan that fits, the heuristics run even past the limit (the cheapest come first), so the caller
+always gets a plan.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from karma_fx import progress
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
@@ -144,7 +151,13 @@ class Model:
                                              if v[0] != "keep"})
 
     def _solver(self, options: SolverOptions, time_limit_s: float):
-        return deterministic_solver(time_limit_s, options.workers, options.seed)
+        """A solver for at most ``time_limit_s``, and never past the deadline of the call (``progress``): its
+        deterministic limit and its wall-clock cap are both cut to the time left."""
+        left = max(progress.seconds_left(), 0.01)
+        solver = deterministic_solver(min(time_limit_s, left), options.workers, options.seed)
+        if left < solver.parameters.max_time_in_seconds:
+            solver.parameters.max_time_in_seconds = left
+        return solver
 
     def evaluate(self, choices: dict[str, Choice], options: SolverOptions) -> tuple[float | None, list | None]:
         """The model's step time (µs) for fixed decisions, and a full assignment to hint with (None: infeasible
@@ -206,12 +219,15 @@ def leanest_choices(cands: list[Candidate]) -> dict[str, Choice]:
 class CpSat:
     name = "cpsat"
 
-    def __init__(self, fallbacks: Sequence[Strategy] = (), options: SolverOptions | None = None) -> None:
+    def __init__(self, fallbacks: Sequence[Strategy] = (), options: SolverOptions | None = None, *,
+                 time_limit_s: float | None = None) -> None:
         self.fallbacks = tuple(fallbacks)
         self.options = options or SolverOptions()
+        self.time_limit_s = time_limit_s
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
-        with paused_gc():  # hundreds of replays and big models built over one large problem
+        # paused GC: hundreds of replays and big models built over one large problem
+        with paused_gc(), progress.deadline(self.time_limit_s):
             return self._plan(problem, costs, budget_bytes)
 
     def _plan(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
@@ -221,79 +237,130 @@ class CpSat:
                         lower_bound_us=keep.makespan_us, notes=("everything fits: nothing moves",))
         base = [b for _, b in keep.memory]
         opts = self.options
-        # The LP relaxation of every plan: a proven lower bound, or a proof that nothing fits at all.
-        proven = lower_bound_us(problem, costs, budget_bytes, base)
-        if proven is None:
-            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_swaps(problem),
-                        status="INFEASIBLE", notes=("the LP relaxation proves that no plan fits: the leanest plan "
-                                                    "is returned",))
-        notes: list[str] = [f"LP lower bound {proven / 1e3:.3f} ms"]
-        best: tuple[float, Plan] | None = None
+        notes: list[str] = []
+        stopped: list[str] = []
+
+        def out_of_time() -> bool:
+            """Past the deadline: skip the next piece of work, and say once in the notes that it was cut."""
+            if progress.past_deadline():
+                if not stopped:
+                    stopped.append(progress.stopped_note())
+                return True
+            return False
+
+        # A proven lower bound on the step time of every plan (the LP relaxation of ``bound.py``), or a proof
+        # that no plan fits at all. Skipped only when the deadline has passed already.
+        proven: float | None = None
+        if not out_of_time():
+            progress.report("lower bound", strategy=self.name)
+            proven = lower_bound_us(problem, costs, budget_bytes, base)
+            if proven is None:
+                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_swaps(problem),
+                            status="INFEASIBLE", notes=(
+                                "no plan can fit this budget: a relaxed model of every possible plan (a linear "
+                                "program) proves it; the plan with the lowest peak is returned",))
+            notes.append(f"no plan can be faster than {proven / 1e3:.3f} ms at this budget (a proven lower bound)")
+        best: tuple[float, Plan, int] | None = None  # simulated step time, plan, simulated peak
+
+        def say(stage: str, strategy: str) -> None:
+            progress.report(stage, strategy=strategy, slowdown=best[0] / keep.makespan_us if best else None,
+                            peak_bytes=best[2] if best else None)
+
         for strategy in self.fallbacks:
+            if best is not None and out_of_time():
+                break  # until a plan fits, the heuristics run even past the deadline
+            say("heuristics", strategy.name)
             plan = strategy(problem, costs, budget_bytes)
             tl = timeline_of(problem, costs, plan.decisions)
             if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us < best[0]):
-                best = (tl.makespan_us, plan)
+                best = (tl.makespan_us, plan, tl.peak_bytes)
 
         def fallback(*why: str) -> Plan:
             assert best is not None
+            extra = tuple(n for n in best[1].notes if n not in stopped)
             return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=best[1].decisions,
                         status=f"FALLBACK:{best[1].strategy}", lower_bound_us=proven,
-                        notes=tuple(notes) + why + best[1].notes)
+                        notes=tuple(notes) + why + extra + tuple(stopped))
 
-        if best is not None and best[0] <= proven * (1 + opts.good_enough_gap):
-            return fallback(f"{best[1].strategy} is within {best[0] / proven - 1:.2%} of the LP bound: CP-SAT skipped")
+        if best is not None and proven is not None and best[0] <= proven * (1 + opts.good_enough_gap):
+            return fallback(f"{best[1].strategy}'s plan is within {best[0] / proven - 1:.2%} of the lower bound, so "
+                            "the solver was not run")
         cands = candidates(problem, min_bytes=opts.memory_unit_bytes)
-        notes.append(f"{len(cands)} candidates")
+        notes.append(f"{len(cands)} tensors large enough for the solver to decide on")
         all_cands = cands
         if len(cands) > opts.max_candidates:
-            notes.append(f"more than {opts.max_candidates} candidates: whole-graph model skipped")
+            notes.append(f"more than {opts.max_candidates} of them: the whole-graph solver was not run (too slow "
+                         "at that size)")
             cands = []
-        if cands:
-            # Phase 1: the all-linear capacity model picks decisions among the candidates' options.
-            phase1 = solve_capacity(problem, costs, budget_bytes, base, cands, time_limit_s=opts.time_limit_s,
-                                    workers=opts.workers, seed=opts.seed, unit=opts.memory_unit_bytes)
-            if phase1 is not None:
-                notes.append(f"capacity model {phase1[2]} (bound {phase1[1] / 1e3:.3f} ms within its options)")
-            # Phase 2: the exact FIFO model times them, and polishes from the best start it is given.
-            model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes)
-            starts = [leanest_choices(cands)] + ([phase1[0]] if phase1 else []) \
-                + ([choices_from_plan(problem, cands, best[1])] if best else [])
-            hint, hint_time = None, math.inf
-            for choices in starts:
-                t, assignment = model.evaluate(choices, opts)
-                if t is not None and t < hint_time:
-                    hint, hint_time = assignment, t
-            result = model.solve(SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed), hint)
-            if result is None:
-                notes.append("solver found no plan in its time limit")
-            else:
-                status, choices, objective, _ = result
-                decisions = model.decisions(choices)
-                predicted, _ = model.evaluate(choices, opts)
-                tl = timeline_of(problem, costs, decisions)
-                notes.append(f"exact model {status} among its options: predicted {(predicted or objective) / 1e3:.3f} "
-                             f"ms, simulated {tl.makespan_us / 1e3:.3f} ms")
-                if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
-                    solved = Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions, status=status,
-                                  lower_bound_us=proven, predicted_step_time_us=round(predicted or objective, 3),
-                                  notes=tuple(notes))
-                    best = (tl.makespan_us, solved)
+        if cands and not out_of_time():
+            best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, proven, notes, say)
         if best is None:  # nothing fits: hand back the leanest plan, so the caller sees the lowest peak
             return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_swaps(problem),
                         status="INFEASIBLE", lower_bound_us=proven,
-                        notes=tuple(notes) + ("no plan found fits: the leanest plan is returned",))
-        if len(problem.ops) <= opts.max_window_ops and best[0] > proven * (1 + opts.good_enough_gap):
+                        notes=tuple(notes) + ("no plan found fits: the plan with the lowest peak is returned",)
+                        + tuple(stopped))
+        if (len(problem.ops) <= opts.max_window_ops and (proven is None or best[0] > proven * (1 + opts.good_enough_gap))
+                and not out_of_time()):
             window_opts = SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed,
                                         memory_unit_bytes=opts.memory_unit_bytes)
+            say("solver windows", self.name)
             refined, window_notes = refine_in_windows(problem, costs, budget_bytes, best[1].decisions, best[0],
                                                       all_cands, size=opts.window_size,
                                                       max_windows=opts.max_windows, options=window_opts)
             notes.extend(window_notes)
+            out_of_time()  # the windows stop at the deadline too: say so if they did
             if refined != best[1].decisions:
-                origin = "the exact model" if best[1].strategy == self.name else best[1].strategy
+                origin = "the solver's" if best[1].strategy == self.name else f"{best[1].strategy}'s"
                 return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=refined, status="FEASIBLE",
-                            lower_bound_us=proven, notes=tuple(notes) + (f"windows refined {origin}'s plan",))
+                            lower_bound_us=proven, notes=tuple(notes) + (f"the windows improved {origin} plan",)
+                            + tuple(stopped))
         if best[1].strategy == self.name:
-            return replace(best[1], notes=tuple(notes))
+            return replace(best[1], notes=tuple(notes) + tuple(stopped))
         return fallback()
+
+    def _solve_whole(self, problem: Problem, costs: Costs, budget_bytes: int, base: list[int], cands: list[Candidate],
+                     best: tuple[float, Plan, int] | None, proven: float | None, notes: list[str],
+                     say) -> tuple[float, Plan, int] | None:
+        """The whole-graph models: the all-linear capacity model picks decisions among the candidates' options,
+        then the exact FIFO model times them and polishes from the best start it is given. Returns the new best
+        (simulated time, plan, peak): the solver's plan if the simulator says it fits and is no slower."""
+        opts = self.options
+        say("solver, memory-only pass", self.name)
+        phase1 = solve_capacity(problem, costs, budget_bytes, base, cands,
+                                time_limit_s=min(opts.time_limit_s, max(progress.seconds_left() / 4, 0.01)),
+                                workers=opts.workers, seed=opts.seed, unit=opts.memory_unit_bytes)
+        if phase1 is not None:
+            notes.append(f"solver, memory-only pass: {phase1[2].lower()} (at best {phase1[1] / 1e3:.3f} ms with "
+                         "the copy and release points it considers)")
+        if progress.past_deadline():
+            return best
+        say("solver, exact pass", self.name)
+        model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes)
+        starts = [leanest_choices(cands)] + ([phase1[0]] if phase1 else []) \
+            + ([choices_from_plan(problem, cands, best[1])] if best else [])
+        hint, hint_time = None, math.inf
+        for choices in starts:
+            if progress.past_deadline():
+                break
+            t, assignment = model.evaluate(choices, opts)
+            if t is not None and t < hint_time:
+                hint, hint_time = assignment, t
+        if progress.past_deadline():
+            return best
+        result = model.solve(SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed), hint)
+        if result is None:
+            notes.append("the solver found no plan in its time limit")
+            return best
+        status, choices, objective, _ = result
+        decisions = model.decisions(choices)
+        predicted, _ = model.evaluate(choices, opts)
+        tl = timeline_of(problem, costs, decisions)
+        quality = "optimal" if status == "OPTIMAL" else "best found"
+        notes.append(f"solver, exact pass: {quality} among the points it considers, predicted "
+                     f"{(predicted or objective) / 1e3:.3f} ms, simulated {tl.makespan_us / 1e3:.3f} ms")
+        if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
+            solved = Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions, status=status,
+                          lower_bound_us=proven, predicted_step_time_us=round(predicted or objective, 3),
+                          notes=tuple(notes))
+            return (tl.makespan_us, solved, tl.peak_bytes)
+        return best

@@ -9,12 +9,16 @@ incumbent's own choices (``AddHint`` with a completed assignment). A window whos
 cannot express (no hint) is skipped: without a start the model's few seconds find nothing better. The model
 times only the window's copies, so the simulator has the last word: a window's plan replaces the incumbent
 only if it fits and is faster.
+
+No window starts once the deadline of the call has passed (``karma_fx.progress``); each solve is cut to the
+time left by the model itself.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
+from karma_fx import progress
 from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, Plan, Recompute
@@ -77,8 +81,12 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
     current, best_us = incumbent, incumbent_us
     notes: list[str] = []
     ends = list(range(len(ordered), 0, -size))[:max_windows]
-    for end in ends:
+    for k, end in enumerate(ends):
+        if progress.past_deadline():
+            notes.append(f"{len(ends) - k} of {len(ends)} windows skipped: out of time")
+            break
         start = max(0, end - size)
+        progress.report(f"solver window {k + 1} of {len(ends)}")
         window = ordered[start:end]
         names = {c.name for c in window}
         outside = tuple(d for d in current if not (_moved(d) & names))
@@ -87,24 +95,24 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
         model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
         incumbent_plan = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
         _, hint = model.evaluate(choices_from_plan(problem, wcands, incumbent_plan), options)
-        label = f"window {start}-{end - 1}"
+        label = f"window over tensors {start}-{end - 1}"
         if hint is None:
-            notes.append(f"{label}: incumbent not expressible, skipped")
+            notes.append(f"{label}: skipped, the solver cannot express the current plan there")
             continue
         result = model.solve(options, hint)
         if result is None:
-            notes.append(f"{label}: no solution")
+            notes.append(f"{label}: the solver found nothing in its time limit")
             continue
-        status, choices, _, _ = result
+        _, choices, _, _ = result
         try:
             trial = reconcile(problem, list(outside) + list(model.decisions(choices)))
             tl = timeline_of(problem, costs, trial)
         except (InvalidPlanError, ValueError) as exc:
-            notes.append(f"{label}: {status} plan rejected by the simulator ({exc})")
+            notes.append(f"{label}: the solver's plan does not run in the simulator ({exc})")
             continue
         if tl.peak_bytes <= budget_bytes and tl.makespan_us < best_us - 1e-6:
-            notes.append(f"{label}: {status}, {best_us / 1e3:.3f} -> {tl.makespan_us / 1e3:.3f} ms")
+            notes.append(f"{label}: faster, {best_us / 1e3:.3f} -> {tl.makespan_us / 1e3:.3f} ms")
             current, best_us = trial, tl.makespan_us
         else:
-            notes.append(f"{label}: {status}, no gain")
+            notes.append(f"{label}: no faster plan")
     return current, notes

@@ -13,11 +13,16 @@ from, and what recomputing costs varies a hundredfold between a matmul output an
    a coarse scan and a bisection, every probe judged by the simulator; recomputes are grouped by where the
    backward first needs them, so chains share their ops;
 3. keep the fastest plan that fits, and drop the waits for copies out that it does not need.
+
+Under a time limit (``Greedy(time_limit_s=...)``, or the deadline of a cpsat call running it as a fallback,
+``karma_fx.progress``) no new probe starts once it has passed, and the best plan so far is returned; the first
+probe always runs, so there is always a plan.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
+from karma_fx import progress
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload, Plan
 from karma_fx.problem import Problem
@@ -57,7 +62,14 @@ def rebuild_chain(problem: Problem, costs: Costs, gap: Gap, builder: RecomputeBu
 class Greedy:
     name = "greedy"
 
+    def __init__(self, time_limit_s: float | None = None) -> None:
+        self.time_limit_s = time_limit_s
+
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
+        with progress.deadline(self.time_limit_s):
+            return self._plan(problem, costs, budget_bytes)
+
+    def _plan(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         keep = timeline_of(problem, costs, ())
         if keep.peak_bytes <= budget_bytes:
             return Plan(strategy=self.name, budget_bytes=budget_bytes, notes=("everything fits: nothing moves",))
@@ -87,7 +99,10 @@ class Greedy:
         last_ops = [last for _, last in blocks_from_cuts(problem, len(problem.cut_points))]
         boundaries = {s for last in last_ops for s in problem.ops[last].outputs}
         large = len(problem.ops) > LARGE_OPS
+        stopped = False
         for quota in QUOTAS_LARGE if large else QUOTAS:
+            if stopped:
+                break
             if large and best is not None and quota_best is not None and quota_best > STOP_RATIO * best[0][1]:
                 break  # a larger quota did markedly worse than a smaller one: larger still will not win
             quota_best = None
@@ -101,6 +116,12 @@ class Greedy:
             orders.update((f"bounded {growth:g}x", bounded_drops(problem, costs, builder, cheap_first, chains, away,
                                                                  growth)) for growth in GROWTHS)
             for order, recomputed in orders.items():
+                if (best is not None or lowest is not None) and progress.past_deadline():
+                    stopped = True
+                    break
+                progress.report(f"swap quota {quota:g}, {order} order", strategy=self.name,
+                                slowdown=best[0][1] / keep.makespan_us if best and keep.makespan_us else None,
+                                peak_bytes=judged[best[1]].peak_bytes if best else None)
                 chosen = away | {g.storage.name for g in recomputed}
                 pool = [(g, "recompute") for g in recomputed] + [(g, "swap") for g in gaps if g.storage.name not in chosen]
                 found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, pool, start,
@@ -112,13 +133,14 @@ class Greedy:
                     quota_best = key[1]
                 if not fits and (lowest is None or key < lowest[:2]):
                     lowest = (*key, decisions, label)
+        late = (progress.stopped_note(),) if stopped else ()
         if best is not None:
             decisions, loosened = loosen_releases(problem, costs, budget_bytes, best[1])
             return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
-                        notes=(best[2] + (f", {loosened} waits for a copy out dropped" if loosened else ""),))
+                        notes=(best[2] + (f", {loosened} waits for a copy out dropped" if loosened else ""),) + late)
         assert lowest is not None
         return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lowest[2],
-                    notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",))
+                    notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",) + late)
 
     @staticmethod
     def _orders(cheap_first: list[Gap], chains: dict, away: set[str], boundaries: set[str]) -> dict[str, list[Gap]]:
@@ -246,6 +268,8 @@ def loosen_releases(problem: Problem, costs: Costs, budget_bytes: int, decisions
     dropped = 0
     waits = [k for k, d in enumerate(current) if isinstance(d, Offload) and d.release_before is not None]
     for k in reversed(waits[-max_trials:]):
+        if progress.past_deadline():
+            break  # every trial is optional polish: past the time limit the plan as it stands is fine
         d = current[k]
         trial = current[:k] + [replace(d, release_before=None)] + current[k + 1:]
         tl = timeline_of(problem, costs, trial)
