@@ -6,7 +6,9 @@
 
 Every error a user can fix (a ``KarmaError``: bad budget, infeasible budget, unknown model or strategy) is
 printed as one ``karma-fx: error: …`` line with exit status 2, never a traceback; the message already says
-what would work (e.g. the smallest feasible budget).
+what would work (e.g. the smallest feasible budget). Ctrl-C prints one ``karma-fx: interrupted`` line and exits
+with 130, the shell's status for SIGINT. Everything that can be checked without the model (budget, device,
+output formats) is checked before the slow capture, so a typo costs no wait.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from karma_fx.errors import KarmaError
 
 PROG = "karma-fx"
 DEFAULT_MODEL = "gpt2"
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT: what shells report for a command stopped by Ctrl-C, so scripts can tell it from a failure."""
 
 
 class CliError(KarmaError):
@@ -78,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--strategy", default=DEFAULT_STRATEGY,
                         help=f"one of {', '.join(STRATEGY_NAMES)} (default {DEFAULT_STRATEGY})")
     p_plan.add_argument("--json", metavar="FILE", help="save the plan as JSON (reload with karma_fx.Plan.load)")
-    p_plan.add_argument("--plot", metavar="FILE", help="draw memory and the three streams (.png or .svg)")
+    p_plan.add_argument("--plot", metavar="FILE", help="draw memory and the three streams (.png, .svg, .pdf or "
+                                                       "any format matplotlib writes)")
     p_plan.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
     p_plan.add_argument("--max-rows", type=int, default=60, help="schedule rows to print (default 60; -1: all)")
     p_plan.add_argument("--offload-weights", action="store_true",
@@ -159,6 +165,21 @@ def _check_budget(budget: str) -> None:
     parse_budget(budget, 1 << 60)
 
 
+def _check_plot_path(path: str) -> None:
+    """Refuse a ``--plot`` file matplotlib cannot write (or matplotlib missing) before the slow capture, rather
+    than after minutes of planning."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CliError("--plot needs matplotlib, which is not installed: pip install 'karma_fx[plot]'") from None
+    supported = sorted(Figure().canvas.get_supported_filetypes())
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in supported:
+        what = f"a .{suffix} file" if suffix else "a file without an extension"
+        raise CliError(f"--plot {path}: matplotlib cannot write {what}; end the name with one of "
+                       f"{', '.join('.' + s for s in supported)}")
+
+
 def _write(path: str, what: str, writer: Callable[[Path], None]) -> None:
     """Create parent folders (``--plot out/x.png`` should just work) and say where the file went."""
     target = Path(path)
@@ -185,6 +206,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CliError(f"unknown strategy {args.strategy!r}; choose one of {', '.join(STRATEGY_NAMES)}")
     device_name = _check_device(args.device)
     cluster = _cluster(args)
+    if args.plot:
+        _check_plot_path(args.plot)
     prepared = _prepare(args)
     planned = prepared.plan(args.budget, args.strategy, offload_weights=args.offload_weights)
     plan = planned.plan
@@ -308,16 +331,29 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- entry point ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI and return the exit status (0 ok, 2 usage or planning error) instead of exiting, so tests
-    and ``python -m karma_fx`` can call it in-process."""
+    """Run the CLI and return the exit status (0 ok, 2 usage or planning error, 130 interrupted) instead of
+    exiting, so tests and ``python -m karma_fx`` can call it in-process."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # One line, no traceback: the user knows they pressed Ctrl-C; a trace from deep in the solver helps nobody.
+        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or an argparse usage error (already printed)
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     if getattr(args, "func", None) is None:
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
         with warnings.catch_warnings():
             # PyTorch's own deprecation chatter from tracing internals says nothing the user can act on.
@@ -325,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             warnings.filterwarnings("ignore", category=FutureWarning, message=r".*LeafSpec.*")
             return int(args.func(args))
     except KarmaError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{PROG}: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,6 +2,7 @@
 traceback), and the installed console entry point works."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -150,6 +151,79 @@ def test_plan_with_weights_offloaded(capsys):
     assert main(["plan", "mlp", "--size", "tiny", "--budget", "0.6", "--max-rows", "0", "--offload-weights"]) == 0
     out = capsys.readouterr().out
     assert "streamed from the host" in out
+
+
+# ---- output formats, interrupts, one-line errors ------------------------------------------------------------
+def _no_capture(monkeypatch):
+    """Make the slow capture fail loudly: a check that must come before it then proves it did."""
+    import karma_fx.cli as cli
+
+    def boom(args):
+        raise AssertionError("captured the model before checking the options")
+    monkeypatch.setattr(cli, "_prepare", boom)
+
+
+def test_plot_format_matplotlib_cannot_write_is_refused_before_capture(capsys, monkeypatch, tmp_path):
+    _no_capture(monkeypatch)
+    code, out, err = _run(capsys, "plan", "cnn", "--size", "tiny", "--plot", str(tmp_path / "x.xyz"))
+    _assert_user_error(code, err, ".xyz", ".png", ".svg")
+    assert len(err.strip().splitlines()) == 1 and out == ""
+    code, _, err = _run(capsys, "plan", "cnn", "--size", "tiny", "--plot", str(tmp_path / "timeline"))
+    _assert_user_error(code, err, "without an extension")
+
+
+def test_plot_without_matplotlib_says_what_to_install(capsys, monkeypatch, tmp_path):
+    _no_capture(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
+    code, _, err = _run(capsys, "plan", "cnn", "--size", "tiny", "--plot", str(tmp_path / "x.png"))
+    _assert_user_error(code, err, "pip install 'karma_fx[plot]'")
+
+
+def test_keyboard_interrupt_in_process_is_one_line_and_130(capsys, monkeypatch):
+    import karma_fx.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_prepare", interrupted)
+    code, out, err = _run(capsys, "plan", "cnn", "--size", "tiny")
+    assert code == 130 and err == "karma-fx: interrupted\n" and out == ""
+
+
+def test_every_karma_error_is_one_line(capsys, monkeypatch):
+    import karma_fx.cli as cli
+    from karma_fx.errors import KarmaError
+
+    def fails(args):
+        raise KarmaError("first line\n  second line\n")
+    monkeypatch.setattr(cli, "_prepare", fails)
+    code, _, err = _run(capsys, "plan", "cnn", "--size", "tiny")
+    _assert_user_error(code, err, "first line second line")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_planning_prints_one_line_and_exits_130():
+    import signal
+    import time
+
+    # Run ``python -m karma_fx`` once the package is imported (its torch import is outside main, where no
+    # handler can be in place yet), then press Ctrl-C while the model is being built and captured.
+    script = ("import runpy, sys, karma_fx.cli; print('ready', flush=True); "
+              "sys.argv = ['karma-fx', 'plan', 'gpt2', '--size', 'tiny', '--budget', '0.95', '--strategy', 'cpsat']; "
+              "runpy.run_module('karma_fx', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "KARMA_PROGRESS": "0"})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.5)
+        assert proc.poll() is None, "finished before it could be interrupted"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130, err
+    assert lines == ["karma-fx: interrupted"], err
 
 
 # ---- progress display and logging (karma_fx.progress) -----------------------------------------------------
