@@ -1,4 +1,5 @@
-"""The wheel ships ``passes/`` as ``karma_fx.passes`` and never as a top-level ``passes`` package.
+"""The wheel ships ``passes/`` as ``karma_fx.passes`` and never as a top-level ``passes`` package, and carries
+its license, the PEP 561 ``py.typed`` marker and the classifiers an index shows.
 
 Builds the wheel from this checkout, installs it (without dependencies) into a fresh virtual environment
 outside the repository, and imports it there; the dependencies (torch, …) come from the running
@@ -31,6 +32,14 @@ def test_wheel_installs_passes_inside_the_karma_fx_namespace(tmp_path):
     assert "karma_fx/passes/capture.py" in files and "karma_fx/passes/liveness.py" in files
     assert not any(f.startswith("passes/") for f in files), "a top-level `passes` package would leak"
     assert any(f.endswith("entry_points.txt") for f in files)
+    assert "karma_fx/py.typed" in files  # without it type checkers ignore our annotations
+    licenses = [f for f in files if ".dist-info/" in f and f.rsplit("/", 1)[-1] == "LICENSE"]
+    assert licenses and b"BSD 3-Clause" in zipfile.ZipFile(wheel).read(licenses[0])
+    metadata = zipfile.ZipFile(wheel).read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+    for line in ("Classifier: License :: OSI Approved :: BSD License", "Classifier: Typing :: Typed",
+                 "Classifier: Programming Language :: Python :: 3.12"):
+        assert line in metadata.splitlines()
+    assert "BSD-3-Clause" in metadata
 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
