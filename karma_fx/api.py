@@ -11,10 +11,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from karma_fx.budget import format_bytes, parse_budget
+from karma_fx.budget import Budget, format_bytes, parse_budget
 from karma_fx.costs import Costs, estimate_costs
 from karma_fx.device import DeviceSpec, get_device
-from karma_fx.errors import InfeasibleBudgetError
+from karma_fx.errors import InfeasibleBudgetError, KarmaError
+from karma_fx.progress import planning, report
 from karma_fx.passes.capture import CapturedStep, capture
 from karma_fx.passes.liveness import build_problem
 from karma_fx.plan import Plan
@@ -59,20 +60,26 @@ class Prepared:
             self._min_peak = leanest_peak(self.problem, self.costs)
         return self._min_peak
 
-    def strategy(self, strategy: str | Strategy | None, *, offload_weights: bool = False) -> Strategy:
+    def strategy(self, strategy: str | Strategy | None, *, offload_weights: bool = False,
+                 time_limit_s: float | None = None) -> Strategy:
         """The strategy to plan with: by name (``torch-budget`` gets PyTorch's saved-set oracle
         for the captured graph, cached per fraction) or as given; wrapped in ``WeightsOutOfCore`` when
-        ``offload_weights``."""
-        if offload_weights:
-            from karma_fx.strategies.weights import WeightsOutOfCore
-
-            return WeightsOutOfCore(self.strategy(strategy))
+        ``offload_weights`` (for ``cpsat``, the best of it and the heuristics each wrapped so, as the weight
+        reserve each needs differs)."""
         if strategy is None:
             strategy = DEFAULT_STRATEGY
+        if offload_weights:
+            from karma_fx.strategies.weights import BestOf, WeightsOutOfCore
+
+            inner = self.strategy(strategy, time_limit_s=time_limit_s)
+            if strategy != "cpsat":
+                return WeightsOutOfCore(inner)
+            return BestOf([WeightsOutOfCore(inner)] + [WeightsOutOfCore(make_strategy(h))
+                                                       for h in ("greedy", "offload", "karma")])
         if not isinstance(strategy, str):
             return strategy
         if strategy != "torch-budget" or self.step is None:
-            return make_strategy(strategy)
+            return make_strategy(strategy, time_limit_s=time_limit_s) if time_limit_s else make_strategy(strategy)
         from karma_fx.passes.torch_partition import saved_storages
 
         step, problem, cache = self.step, self.problem, self._torch_saved
@@ -83,12 +90,13 @@ class Prepared:
             return cache[fraction]
         return make_strategy(strategy, saved_set)
 
-    def plan(self, budget: str | int | float, strategy: str | Strategy | None = None, *,
-             raise_if_infeasible: bool = True, offload_weights: bool = False) -> Planned:
+    def plan(self, budget: "str | int | float | Budget", strategy: str | Strategy | None = None, *,
+             raise_if_infeasible: bool = True, offload_weights: bool = False,
+             time_limit_s: float | None = None) -> Planned:
         """Plan at ``budget``; ``offload_weights`` streams the parameters from host memory and sends their
         gradients to it (``karma_fx.strategies.weights``), for steps whose weights do not fit."""
         budget_bytes = parse_budget(budget, self.unplanned_peak_bytes)
-        chosen = self.strategy(strategy, offload_weights=offload_weights)
+        chosen = self.strategy(strategy, offload_weights=offload_weights, time_limit_s=time_limit_s)
         t0 = time.perf_counter()
         raw = chosen(self.problem, self.costs, budget_bytes)
         solve_s = time.perf_counter() - t0
@@ -116,32 +124,56 @@ def finalize(plan: Plan, problem: Problem, costs: Costs, timeline: Timeline, kee
                         schedule=timeline.rows)
 
 
+def _check_call(model: Any, args: Any, kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+    """``args`` as a tuple and ``kwargs`` as a dict, or a ``KarmaError`` saying what was passed."""
+    from karma_fx.errors import UnsupportedModelError
+
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"karma_fx plans nn.Module training steps, got {type(model).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise KarmaError(f"kwargs must be a dict of keyword arguments for the model, got {type(kwargs).__name__}")
+    return (args if isinstance(args, tuple) else (args,)), dict(kwargs or {})
+
+
 def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *,
             device: str | DeviceSpec | None = None, name: str | None = None) -> Prepared:
     """Capture the training step and build everything a strategy needs."""
+    args, kwargs = _check_call(model, args, kwargs)
     spec = get_device(device)
     seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-    step = capture(model, args if isinstance(args, tuple) else (args,), kwargs)
-    t1 = time.perf_counter()
-    problem = build_problem(step, name=name or type(model).__name__)
-    t2 = time.perf_counter()
-    costs = estimate_costs(problem, spec)
-    keep = simulate(problem, (), costs)
-    t3 = time.perf_counter()
+    label = name or type(model).__name__
+    with planning(label):
+        t0 = time.perf_counter()
+        report("capture")
+        step = capture(model, args, kwargs)
+        t1 = time.perf_counter()
+        report("liveness")
+        problem = build_problem(step, name=label)
+        t2 = time.perf_counter()
+        report("costs")
+        costs = estimate_costs(problem, spec)
+        keep = simulate(problem, (), costs)
+        t3 = time.perf_counter()
     seconds.update(capture=t1 - t0, liveness=t2 - t1, costs=t3 - t2)
     return Prepared(problem=problem, costs=costs, keep=keep, step=step, seconds=seconds)
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,
          device: str | DeviceSpec | None = None, strategy: str | Strategy | None = None,
-         offload_weights: bool = False) -> Plan:
+         offload_weights: bool = False, time_limit_s: float | None = None) -> Plan:
     """Plan one training step of ``model(*args, **kwargs)`` under ``budget`` (bytes or a fraction).
 
-    The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read.
-    ``offload_weights`` streams the weights from host memory (see ``Prepared.plan``).
+    The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read. The
+    step is the one ``karma_fx.compile`` runs (every output that requires grad is differentiated), so both
+    agree on what fits. ``offload_weights`` streams the weights from host memory (see ``Prepared.plan``);
+    ``time_limit_s`` bounds the planning's wall-clock time (the capture excluded).
     Raises ``InfeasibleBudgetError`` (naming the smallest workable budget) when the strategy cannot fit.
     """
-    parse_budget(budget, unplanned_peak_bytes=1 << 62)  # reject nonsense before the (slow) capture
-    prepared = prepare(model, args, kwargs, device=device)
-    return prepared.plan(budget, strategy, offload_weights=offload_weights).plan
+    from karma_fx.config import KarmaConfig
+
+    config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
+                              time_limit_s=time_limit_s)  # nonsense is refused before the (slow) capture
+    prepared = prepare(model, args, kwargs, device=config.device)
+    with planning(prepared.problem.name):
+        return prepared.plan(config.budget, config.strategy, offload_weights=config.offload_weights,
+                             time_limit_s=config.time_limit_s).plan

@@ -1,92 +1,403 @@
 """``torch.compile(model, backend="karma", options={"budget": ...})``: the planner as a Dynamo backend.
 
 Registered through the ``torch_dynamo_backends`` entry point (``pyproject.toml``), so the string ``"karma"``
-works with nothing imported first. Dynamo hands us one FX graph per compiled region; AOTAutograd traces its
-joint forward+backward graph and calls our partitioner, exactly as in ``karma_fx.compile``.
+works with nothing imported first. ``karma_fx.compile`` is built on the same backend, so both doors share
+Dynamo's guards (train/eval, grad mode, autocast, ``requires_grad``, parameter identity, input strides and
+dtypes: a change recompiles and re-plans) and everything below.
 
-Options (all but ``budget`` optional): ``budget`` (bytes, ``"12GiB"`` or a fraction of the unplanned peak),
-``strategy``, ``device`` (a preset name or ``DeviceSpec`` for the cost model).
+Options (see ``karma_fx.config.OPTIONS``): ``budget`` (bytes, ``"12GiB"`` or a fraction of the unplanned peak;
+defaults to ``$KARMA_BUDGET`` where a framework passes no options), ``strategy``, ``device`` (a preset name or
+``DeviceSpec`` for the cost model), ``offload_weights``, ``time_limit_s``.
 
-Graph breaks give several regions, which run one after the other in the forward and in reverse in the
-backward, so a region's saved tensors stay on the device while every later region runs. How we split the
-budget: the regions of one ``torch.compile`` call (one ``options`` dict) share it. A region compiled after
-others gets the budget minus what the others hold on the device at the end of their forward (parameters,
-buffers and the saved tensors their plans keep there, as simulated; their outputs, which the next region
-also counts as its inputs, are counted twice, which errs on the safe side). A fractional budget is first turned into
-bytes against the region's own unplanned peak plus what the others hold. A region recompiled for other
-shapes replaces its own entry rather than adding to the total. ``regions(options)`` lists what was planned.
+Dynamo hands us one FX graph per compiled region; AOTAutograd traces its joint forward+backward graph and
+calls our partitioner. Graph breaks give several regions, and one region may run many times per step (a
+block compiled once, run for every layer). Every *run* is accounted for (``karma_fx.regions``): a run is
+planned, as it starts, under the budget minus what the step's earlier runs hold, the persistent bytes that
+are not its own and the gradients of the runs that follow; a region keeps one compiled variant per plan it
+needed. The first step learns the sequence of runs; from the second on, each run also leaves room for the
+leanest plans of the runs known to follow, and a budget that cannot work raises ``InfeasibleBudgetError``
+naming the total that does.
 
-Dynamic shapes are not supported: a plan is made for concrete sizes. Dynamo marks a dimension dynamic when it
-sees a second shape; pass ``dynamic=False`` to ``torch.compile`` so that it recompiles (and we re-plan)
-instead.
+Dynamic shapes are not supported: a plan is made for concrete sizes. Pass ``dynamic=False`` to
+``torch.compile`` so that a new input shape recompiles and re-plans instead.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
-from typing import Any
+import logging
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from karma_fx.budget import format_bytes, parse_budget
-from karma_fx.compiler import boxed_graph, make_plan_fn
-from karma_fx.device import get_device
-from karma_fx.errors import KarmaError, UnsupportedModelError
+from karma_fx.budget import Budget, format_bytes
+from karma_fx.config import KarmaConfig
+from karma_fx.errors import InfeasibleBudgetError, KarmaError, UnsupportedModelError
 from karma_fx.passes.capture import _friendly_errors
 from karma_fx.passes.partition import make_partition_fn
 from karma_fx.plan import Plan
 from karma_fx.strategies import DEFAULT_STRATEGY
-from karma_fx.strategies.base import leanest_peak
+from karma_fx.regions import Boundary, Footprint, Room, footprint, room, total_that_works
 
-KNOWN_OPTIONS = {"budget", "strategy", "device"}
+log = logging.getLogger("karma_fx.backend")
 
 
 @dataclass
-class Region:
-    """One compiled region: its plan, emitted graphs and what it holds on the device across later regions."""
+class Variant:
+    """One plan of a region, compiled: what Dynamo's cached code calls for the runs that use this plan."""
 
-    key: str
     plan: Plan
-    graphs: tuple[fx.GraphModule, fx.GraphModule]
-    held_bytes: int
-    problem: Any = field(repr=False)
-    costs: Any = field(repr=False)
+    fp: Footprint
+    fn: Any = None
+    graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
+    grad_params: tuple[int, ...] = ()
+    """Primal positions of the parameters whose gradients this variant hands to the gradient pipeline."""
 
-    @functools.cached_property
+
+@dataclass(eq=False)
+class Region:
+    """One compiled region (one Dynamo graph): its planning problem and the variants its runs used."""
+
+    index: int
+    gm: fx.GraphModule = field(repr=False)
+    kinds: tuple[str, ...]
+    names: tuple[str, ...]
+    prepared: Any = field(default=None, repr=False)
+    variants: list[Variant] = field(default_factory=list)
+    leanest: Variant | None = None
+    inference_fn: Any = None
+    last: Variant | None = None
+    offload_weights: bool = False
+    boundary: Boundary = field(default_factory=Boundary)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the most recent run."""
+        if self.last is None:
+            raise KarmaError("this region has not run in training mode yet: nothing was planned")
+        return self.last.plan
+
+    @property
+    def graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        assert self.last is not None and self.last.graphs is not None
+        return self.last.graphs
+
+    @property
+    def held_bytes(self) -> int:
+        """What the most recent run kept on the device for its backward, beyond its parameters."""
+        assert self.last is not None
+        return self.last.fp.held_bytes
+
+    @property
     def min_budget_bytes(self) -> int:
-        """The smallest budget known to work for this region alone (``leanest_peak``)."""
-        return leanest_peak(self.problem, self.costs)
+        """The smallest budget known to work for this region alone (its leanest plan's peak)."""
+        if self.leanest is not None:
+            return self.leanest.fp.peak_bytes
+        from karma_fx.strategies.base import leanest_peak
+
+        p = self.prepared
+        return leanest_peak(p.problem, p.costs, stream_weights=self.offload_weights)
 
 
 @dataclass
-class _Ledger:
-    regions: dict[str, Region] = field(default_factory=dict)
+class _Run:
+    region: Region
+    variant: Variant
+    own_bytes: int = 0
+    """Of the step's persistent bytes, those this run's own problem counts (its weights, the batch it reads)."""
 
-    def held_by_others(self, key: str) -> int:
-        return sum(r.held_bytes for k, r in self.regions.items() if k != key)
-
-
-_ledgers: dict[int, tuple[dict, _Ledger]] = {}
-"""Keyed by ``id`` of the options dict, which is held here too (a dict cannot be weakly referenced), so the
-id is never reused for another call's options."""
-
-
-def _ledger(options: dict) -> _Ledger:
-    """The ledger of one ``torch.compile`` call, keyed by its options dict (Dynamo passes the same object to
-    every region's backend call)."""
-    entry = _ledgers.get(id(options))
-    if entry is None or entry[0] is not options:
-        entry = _ledgers[id(options)] = (options, _Ledger())
-    return entry[1]
+    def fp(self, variant: "Variant | None" = None) -> Footprint:
+        """The footprint of ``variant`` (default: the one this run used) as this run sees the step."""
+        return replace((variant or self.variant).fp, own_bytes=self.own_bytes)
 
 
-def regions(options: dict) -> list[Region]:
-    """What the backend planned for the ``torch.compile`` call given ``options``, in compile order."""
-    return list(_ledger(options).regions.values())
+class Session:
+    """The state one ``torch.compile`` call (or one ``karma_fx.compile`` module) shares across its regions:
+    the configuration, the budget in bytes (a fraction is resolved once, at the first plan), the regions and
+    the runs of the current and the previous step."""
+
+    def __init__(self, config: KarmaConfig, model: nn.Module | None = None, pipeline: Any = None) -> None:
+        self.config = config
+        self.budget_bytes: int | None = config.budget.size_bytes
+        self.regions: list[Region] = []
+        self.pipeline = pipeline
+        self._model = weakref.ref(model) if model is not None else None
+        self._runs: list[_Run] = []
+        self._previous: list[_Run] | None = None
+        self._seen: dict[int, int] = {}
+        self._produced: set[int] = set()
+        self._saw_backward = False
+        self._step_persistent = 0
+        self._previous_persistent = 0
+        self._learning = False
+        self._own_of_last_choice = 0
+        self._previous_fit = False
+        self.warned_eager = False
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new training step starts (the front door calls this; the raw backend infers it)."""
+        self._step_persistent = self._model_persistent_bytes()
+        if self._runs:
+            self._previous = self._runs
+            self._previous_persistent = sum(self._seen.values())
+            self._previous_fit = False
+            if self._learning:
+                self._learning = False
+                self._check_sequence(self._previous)
+            else:
+                assert self.budget_bytes is not None
+                persistent = max(self._step_persistent, self._previous_persistent)
+                self._previous_fit = total_that_works(persistent, [r.fp() for r in self._previous]
+                                                      ) <= self.budget_bytes
+        self._runs, self._seen, self._saw_backward = [], {}, False
+        self._produced: set[int] = set()
+
+    def _model_persistent_bytes(self) -> int:
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return 0
+        seen: dict[int, int] = {}
+        for t in list(model.parameters()) + list(model.buffers()):
+            if self.config.offload_weights and isinstance(t, nn.Parameter):
+                continue
+            for x in (t, t.grad):
+                if x is not None:
+                    s = x.untyped_storage()
+                    seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+    def _persistent(self, args: list[Any], region: Region) -> tuple[int, int]:
+        """Bytes on the device all step long (weights and buffers, and the inputs no earlier run produced: the
+        batch the caller holds), and how many of them this run's own problem already counts."""
+        for t, kind in zip(args, region.kinds):
+            if not isinstance(t, torch.Tensor) or (kind == "param" and self.config.offload_weights):
+                continue
+            s = t.untyped_storage()
+            if kind in ("param", "buffer") or s.data_ptr() not in self._produced:
+                self._seen[s.data_ptr()] = s.nbytes()
+        own = sum(t.untyped_storage().nbytes() for t, kind in zip(args, region.kinds)
+                  if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self._seen
+                  and not (kind == "param" and self.config.offload_weights))
+        return max(self._step_persistent, sum(self._seen.values()), self._previous_persistent), own
+
+    def _later(self, region: Region) -> list[Footprint] | None:
+        """Leanest footprints of the runs that followed this one in the previous step, if this step has run
+        the same regions so far."""
+        prev, k = self._previous, len(self._runs)
+        if prev is None or len(prev) <= k or prev[k].region is not region:
+            return None
+        if any(a.region is not b.region for a, b in zip(self._runs, prev)):
+            return None
+        later = []
+        for r in prev[k + 1:]:
+            lean = self._leanest(r.region)
+            later.append(r.fp(lean))
+        return later
+
+    def _check_sequence(self, runs: list[_Run]) -> None:
+        """After a step planned run by run without knowing the runs to come: did it fit, and can it?"""
+        persistent = max(self._step_persistent, self._previous_persistent)
+        assert self.budget_bytes is not None
+        ran = total_that_works(persistent, [r.fp() for r in runs])
+        self._previous_fit = ran <= self.budget_bytes
+        if self._previous_fit:
+            return
+        log.warning("karma_fx: the first step ran %d compiled region runs; planned one by one without knowing "
+                    "the ones to come, together they may have reached %s against a budget of %s. From this "
+                    "step on each run leaves room for the runs known to follow.", len(runs),
+                    format_bytes(ran), format_bytes(self.budget_bytes))
+        needed = total_that_works(persistent, [r.fp(self._leanest(r.region)) for r in runs])
+        if needed > self.budget_bytes:
+            raise InfeasibleBudgetError(
+                f"the step runs {len(runs)} compiled region(s) (graph breaks; a region runs once per layer it "
+                f"stands for), and together they need more than the budget of {format_bytes(self.budget_bytes)}: "
+                f"each run keeps its saved tensors on the device until its backward. A total budget of "
+                f"{format_bytes(needed)} ({needed} bytes) works (every run with its leanest plan); raise the "
+                f"budget or remove the graph breaks", min_budget_bytes=needed, budget_bytes=self.budget_bytes)
+
+    # ---- runs -------------------------------------------------------------------------------------------
+    def run(self, region: Region, args: list[Any], compile_variant: Callable[[Region, Plan | None, list], Variant]
+            ) -> Any:
+        if self._saw_backward:
+            self.begin_step()
+        if not self._runs and not self._seen:
+            self._step_persistent = self._model_persistent_bytes()
+        if region.prepared is None:
+            variant = compile_variant(region, None, args)  # plans inside the partitioner (``decide``)
+            if region.prepared is None:  # an inference graph: nothing saved, nothing planned
+                region.inference_fn = variant.fn
+                return variant.fn(*args)
+        elif region.inference_fn is not None:
+            return region.inference_fn(*args)
+        else:
+            variant = self._choose(region, args)
+            if variant.fn is None:
+                compiled = compile_variant(region, variant.plan, args)
+                variant.fn, variant.graphs, variant.grad_params = compiled.fn, compiled.graphs, compiled.grad_params
+        region.last = variant
+        self._runs.append(_Run(region, variant, self._own_of_last_choice))
+        if self.pipeline is not None and variant.grad_params:
+            self.pipeline.expect([args[i] for i in variant.grad_params])
+        out = variant.fn(*args)
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._produced.add(t.untyped_storage().data_ptr())
+        return out
+
+    def ran_training_region(self) -> bool:
+        return bool(self._runs)
+
+    def saw_backward(self) -> None:
+        self._saw_backward = True
+
+    def decide(self, region: Region, args: list[Any], prepared: Any) -> Variant:
+        """The first run of a region: keep what the partitioner found and choose its plan."""
+        region.prepared = prepared
+        if self.budget_bytes is None:
+            persistent, own = self._persistent(args, region)
+            whole = persistent - own + prepared.unplanned_peak_bytes
+            self.budget_bytes = self.config.budget.resolve(whole)
+        return self._choose(region, args)
+
+    def others_bytes(self, region: Region) -> int:
+        """Persistent bytes of the step that are not the region's own (weights it does not read, ...)."""
+        p = region.prepared
+        own = sum(st.size_bytes for st in p.problem.storages if st.producer is None and st.kind != "tangent"
+                  and not (st.kind == "param" and self.config.offload_weights))
+        return max(0, max(self._step_persistent, self._previous_persistent, sum(self._seen.values())) - own)
+
+    def _leanest(self, region: Region) -> Variant:
+        if region.leanest is None:
+            from karma_fx.strategies.base import leanest_decisions
+
+            p = region.prepared
+            decisions = leanest_decisions(p.problem, p.costs, stream_weights=self.config.offload_weights)
+            name = self.config.strategy if isinstance(self.config.strategy, str) else "leanest"
+            region.leanest = self._variant(region, Plan(name, 1 << 62, decisions=decisions, status="FALLBACK:leanest",
+                                                        notes=("the leanest plan: every saved activation swapped "
+                                                               "out and back just in time",)))
+            region.variants.append(region.leanest)
+        return region.leanest
+
+    def _variant(self, region: Region, raw: Plan) -> Variant:
+        from karma_fx.api import finalize
+        from karma_fx.simulate import simulate
+
+        p = region.prepared
+        timeline = simulate(p.problem, raw.decisions, p.costs)
+        plan = finalize(raw, p.problem, p.costs, timeline, p.keep, device=p.costs.device)
+        return Variant(plan=plan, fp=footprint(p.problem, timeline, plan, offload_weights=self.config.offload_weights,
+                                                  boundary=region.boundary))
+
+    def _plan(self, region: Region, target: int) -> Variant:
+        """Plan the region at ``target`` bytes, or reuse the plan cached for exactly that (``plan_cache``)."""
+        from karma_fx.errors import InvalidPlanError
+        from karma_fx.plan_cache import PlanCache, problem_key
+
+        p = region.prepared
+        cache = key = None
+        if self.config.plan_cache is not None:
+            cache = PlanCache(self.config.plan_cache)
+            key = problem_key(p.problem, self.config.device, _name(self.config.strategy), target,
+                              self.config.offload_weights)
+            cached = cache.get(key)
+            if cached is not None:
+                try:
+                    return self._variant(region, cached)
+                except InvalidPlanError as exc:
+                    log.warning("karma_fx: the cached plan does not fit this graph (%s); planning again", exc)
+        planned = p.plan(Budget(size_bytes=target), self.config.strategy, raise_if_infeasible=False,
+                         offload_weights=self.config.offload_weights, time_limit_s=self.config.time_limit_s)
+        if cache is not None and key is not None:
+            cache.put(key, planned.plan)
+        return Variant(plan=planned.plan, fp=footprint(p.problem, planned.timeline, planned.plan,
+                                                       offload_weights=self.config.offload_weights,
+                                                       boundary=region.boundary))
+
+    def _replay(self, region: Region) -> Variant | None:
+        """The previous step's variant for this run, when this step repeats that step so far and it fit."""
+        prev, k = self._previous, len(self._runs)
+        if not self._previous_fit or prev is None or len(prev) <= k or prev[k].region is not region:
+            return None
+        if any(a.region is not b.region or a.variant is not b.variant for a, b in zip(self._runs, prev)):
+            return None
+        return prev[k].variant
+
+    def _choose(self, region: Region, args: list[Any]) -> Variant:
+        assert self.budget_bytes is not None
+        persistent, own = self._persistent(args, region)
+        self._own_of_last_choice = own
+        replay = self._replay(region)
+        if replay is not None:
+            return replay
+        p = region.prepared
+        later = self._later(region)
+        space = room(self.budget_bytes, persistent, own, [r.variant.fp.held_bytes for r in self._runs], later)
+        if later is None and self._runs:
+            self._learning = True
+        usable = [v for v in region.variants if space.admits(v.fp)]
+        if usable:
+            return min(usable, key=lambda v: (v.plan.step_time_us or 0.0, v.fp.peak_bytes))
+        target = int(min(space.peak_bytes, space.held_bytes))
+        if target > 0:
+            variant = self._plan(region, target)
+            variant = Variant(plan=variant.plan.replace(budget_bytes=int(space.peak_bytes)), fp=variant.fp)
+            if space.admits(variant.fp):
+                region.variants.append(variant)
+                return variant
+        lean = self._leanest(region)
+        if space.admits(lean.fp) and self.config.strategy == DEFAULT_STRATEGY:
+            return lean  # the default strategy's floor: what every "smallest budget known to work" refers to
+        return self._no_room(region, space, lean, later, persistent, own)
+
+    def _no_room(self, region: Region, space: Room, lean: Variant, later: list[Footprint] | None,
+                 persistent: int, own: int) -> Variant:
+        assert self.budget_bytes is not None
+        if later is None and self._runs and self.config.strategy == DEFAULT_STRATEGY:
+            # The first step of a sequence not seen before: go on with the leanest plan, learn the rest of the
+            # step, and check the whole sequence when the next step starts.
+            log.warning("karma_fx: run %d of this step (region %d) does not fit in what the earlier runs left of "
+                        "the budget; it runs with its leanest plan and the step's sequence is checked before the "
+                        "next step", len(self._runs) + 1, region.index)
+            return lean
+        runs = [*(r.fp(self._leanest(r.region)) for r in self._runs), replace(lean.fp, own_bytes=own),
+                *(later or [])]
+        needed = total_that_works(max(persistent, self._step_persistent), runs)
+        model = region.prepared.problem.name
+        others = self.others_bytes(region)
+        unplanned = region.prepared.unplanned_peak_bytes + others
+        raise InfeasibleBudgetError(
+            f"strategy {_name(self.config.strategy)!r} cannot fit the training step in {format_bytes(self.budget_bytes)}"
+            + (f" (its {len(runs)} compiled region runs share the budget)" if len(runs) > 1 else "")
+            + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: every saved "
+              f"activation swapped out and back just in time), which the default strategy {DEFAULT_STRATEGY!r} "
+              f"reaches; the "
+              f"unplanned peak of {model} is {format_bytes(region.prepared.unplanned_peak_bytes)}",
+            min_budget_bytes=needed, budget_bytes=self.budget_bytes)
 
 
+def _name(strategy: Any) -> str:
+    return strategy if isinstance(strategy, str) else getattr(strategy, "name", type(strategy).__name__)
+
+
+def boundary_of(step: Any, problem: Any) -> Boundary:
+    """The storages a region's forward returns and those of its parameters' gradients (joint outputs)."""
+    output = next(n for n in step.joint.graph.nodes if n.op == "output")
+    storage_of = dict(problem.aliases)
+    outs = list(output.args[0])
+
+    def storages(nodes: list) -> frozenset[str]:
+        return frozenset(storage_of.get(n.name, n.name) for n in nodes if isinstance(n, fx.Node))
+
+    grads = [outs[step.num_fwd_outputs + i] for i, k in enumerate(step.primal_kinds)
+             if k == "param" and step.num_fwd_outputs + i < len(outs)]
+    return Boundary(outputs=storages(outs[:step.num_fwd_outputs]), param_grads=storages(grads))
+
+
+# ---- Dynamo glue --------------------------------------------------------------------------------------------
 def mutated_inputs(gm: fx.GraphModule, example_inputs: list[Any]) -> set[int]:
     """Indices of the graph inputs the region updates in place (BatchNorm running stats, counters).
 
@@ -114,7 +425,7 @@ def _primal_kinds(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[tuple[
     return tuple(kinds), tuple(names)
 
 
-def _check_static(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+def _check_static(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
         symbolic = isinstance(value, torch.SymInt) or (
@@ -125,54 +436,130 @@ def _check_static(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
                 "sizes: pass dynamic=False to torch.compile, so that a new input shape recompiles and re-plans")
 
 
+class KarmaBackend:
+    """A Dynamo backend bound to one ``Session``: returns, per region, a callable that picks (and compiles on
+    first need) the variant each run uses."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        session = self.session
+        _check_static(gm)
+        with _friendly_errors("reading the compiled region"):
+            kinds, names = _primal_kinds(gm, example_inputs)
+        if len(kinds) != len(example_inputs):
+            raise UnsupportedModelError("this region holds its parameters as graph attributes; karma_fx needs "
+                                        "Dynamo to lift them as inputs (torch._dynamo.config."
+                                        "inline_inbuilt_nn_modules=True, the default since torch 2.5)")
+        region = Region(index=len(session.regions), gm=gm, kinds=kinds, names=names,
+                        offload_weights=session.config.offload_weights)
+        session.regions.append(region)
+
+        def run(*args: Any) -> Any:
+            return session.run(region, list(args), self._compile)
+
+        return run
+
+    def _compile(self, region: Region, plan: Plan | None, args: list) -> Variant:
+        """AOTAutograd over the region with our partitioner: plan (first run, ``plan`` None) or apply ``plan``."""
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        from karma_fx.api import Prepared
+        from karma_fx.compiler import boxed_graph
+        from karma_fx.costs import estimate_costs
+        from karma_fx.exchange import insert_gradient_hooks
+        from karma_fx.passes.partition import hand_over
+        from karma_fx.simulate import simulate
+
+        session = self.session
+        chosen: dict[str, Any] = {}
+
+        def plan_fn(problem: Any, step: Any) -> Plan:
+            if plan is not None:
+                chosen["variant"] = next(v for v in region.variants if v.plan is plan)
+                return plan
+            costs = estimate_costs(problem, session.config.device)
+            keep = simulate(problem, (), costs)
+            region.boundary = boundary_of(step, problem)
+            prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step)
+            chosen["variant"] = session.decide(region, args, prepared)
+            return chosen["variant"].plan
+
+        def on_done(problem: Any, done_plan: Plan, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+            chosen["graphs"] = (fw, bw)
+            output = next(n for n in bw.graph.nodes if n.op == "output")
+            # the backward's outputs are the primals' gradients, in order: those handed over to the pipeline
+            chosen["grad_params"] = tuple(i for i, o in enumerate(output.args[0])
+                                          if isinstance(o, fx.Node) and o.target is hand_over)
+
+        pipeline = session.pipeline
+        param_slots = tuple(i for i, k in enumerate(region.kinds) if k == "param")
+        partition = make_partition_fn(plan_fn, region.kinds, region.names, on_done,
+                                      save_params=pipeline is not None)
+
+        def forward_compiler(graph: fx.GraphModule, _: Any) -> Any:
+            return boxed_graph(graph)
+
+        def backward_compiler(graph: fx.GraphModule, _: Any) -> Any:
+            if pipeline is not None:
+                insert_gradient_hooks(graph, pipeline)
+            inner = boxed_graph(graph)
+
+            def backward(boxed_args: list) -> Any:
+                session.saw_backward()
+                return inner(boxed_args)
+
+            backward._boxed_call = True  # type: ignore[attr-defined]
+            return backward
+
+        # Traced on fake copies of the inputs inside a tracing context, as at Dynamo's own compile time: traced
+        # on the real tensors, AOTAutograd leaves a dead copy of a forward random op (dropout) in the backward,
+        # which would draw from the RNG again.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        with _friendly_errors("compiling the region"), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
+                                       bw_compiler=backward_compiler, partition_fn=partition)
+        variant = chosen.get("variant")
+        if variant is None:  # inference: the partitioner was never called
+            return Variant(plan=Plan("keep", 0), fp=Footprint(0, 0, 0, 0), fn=fn)
+        variant.fn, variant.graphs = fn, chosen.get("graphs")
+        variant.grad_params = chosen.get("grad_params", ())
+        return variant
+
+
+# ---- the entry point and its registry ---------------------------------------------------------------------
+_sessions: "weakref.WeakValueDictionary[int, Session]" = weakref.WeakValueDictionary()
+"""Sessions by ``id`` of the options dict. Weak: a session lives as long as the compiled code that uses it
+(Dynamo's cache holds the region callables, which hold the session), never longer; an options dict is not
+kept alive here (a session keeps a copy of its contents to tell a reused id from the same dict)."""
+_contents: "weakref.WeakKeyDictionary[Session, dict]" = weakref.WeakKeyDictionary()
+
+
+def _session_for(options: dict | None) -> Session:
+    config = KarmaConfig.from_options(options)
+    key = id(options) if options is not None else 0
+    session = _sessions.get(key)
+    if session is None or _contents.get(session) != dict(options or {}):
+        session = Session(config)
+        _sessions[key] = session
+        _contents[session] = dict(options or {})
+    return session
+
+
 def karma_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None) -> Any:
     """The Dynamo backend behind ``backend="karma"``."""
-    from torch._functorch.aot_autograd import aot_module_simplified
+    session = _session_for(options)
+    backend = KarmaBackend(session)
+    return backend(gm, example_inputs)
 
-    if options is None or "budget" not in options:
-        raise KarmaError('torch.compile(backend="karma") needs a budget: options={"budget": "12GiB"} '
-                         '(bytes) or {"budget": 0.5} (a fraction of the unplanned peak)')
-    unknown = set(options) - KNOWN_OPTIONS
-    if unknown:
-        raise KarmaError(f"unknown karma backend options {sorted(unknown)}; known: {sorted(KNOWN_OPTIONS)}")
-    budget = options["budget"]
-    parse_budget(budget, unplanned_peak_bytes=1 << 62)  # reject malformed budgets before tracing
-    strategy = options.get("strategy") or DEFAULT_STRATEGY
-    device = get_device(options.get("device"))
-    _check_static(gm, example_inputs)
-    ledger = _ledger(options)
-    key = gm.code  # the region's code identifies it across recompiles for other shapes
 
-    def available(budget_bytes: int) -> int:
-        if isinstance(budget, float) and budget <= 1.0:  # a fraction: of this region's peak plus the others
-            return budget_bytes + int(budget * ledger.held_by_others(key)) - ledger.held_by_others(key)
-        return budget_bytes - ledger.held_by_others(key)
-
-    with _friendly_errors("reading the compiled region"):
-        kinds, names = _primal_kinds(gm, example_inputs)
-    result: dict[str, Any] = {}
-
-    def context() -> str:
-        held = ledger.held_by_others(key)
-        if not held:
-            return ""
-        others = sum(1 for k in ledger.regions if k != key)
-        return (f"; the {others} region(s) compiled before this one (graph breaks) hold "
-                f"{format_bytes(held)} on the device while it runs, so the whole step needs a budget of at least "
-                f"{format_bytes(held)} plus this region's minimum; raise the budget or remove the graph breaks")
-
-    plan_fn = make_plan_fn(budget, strategy, device, result, available_bytes=available, context=context)
-
-    def on_done(problem, plan, fw, bw):
-        end_of_forward = result["timeline"].memory[problem.num_fwd_ops - 1][1]
-        ledger.regions[key] = Region(key=key, plan=plan, graphs=(fw, bw), held_bytes=end_of_forward,
-                                     problem=problem, costs=result["costs"])
-
-    partition = make_partition_fn(plan_fn, kinds, names, on_done)
-
-    def boxed(graph: fx.GraphModule, _: Any) -> Any:
-        return boxed_graph(graph)
-
-    with _friendly_errors("compiling the region"):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=boxed, bw_compiler=boxed,
-                                     partition_fn=partition)
+def regions(options: dict | None) -> list[Region]:
+    """What the backend planned for the ``torch.compile`` call given ``options``, in compile order."""
+    session = _sessions.get(id(options) if options is not None else 0)
+    if session is None or _contents.get(session) != dict(options or {}):
+        return []
+    return list(session.regions)

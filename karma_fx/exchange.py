@@ -1,19 +1,28 @@
-"""Gradients leave backward as soon as they exist: bucketed all-reduce across ranks and the host optimizer.
+"""Gradients leave backward as soon as they are final: bucketed all-reduce across ranks and the host optimizer.
 
-``karma_fx.compile(model, ..., optimizer=..., data_parallel=True)`` inserts a call to ``gradient_ready`` into
-the emitted backward graph right after each parameter's gradient is produced and the parameter's last
-backward use (so updating it in place cannot change what backward still reads), and ``backward_done`` before
-the graph returns. The ``GradientPipeline`` behind those calls:
+``karma_fx.compile(model, ..., optimizer=..., data_parallel=True)`` makes each emitted backward graph call
+``gradient_ready(grad, param, pipeline)`` right after a parameter's gradient is produced and after the
+parameter's last read in that graph (so updating it in place cannot change what backward still reads), and
+returns no gradient for it: the ``GradientPipeline`` takes it from there.
 
-- groups gradients, in the order backward produces them, into buckets of ``bucket_bytes``; a full bucket is
-  flattened and all-reduced with ``torch.distributed.all_reduce(async_op=True)`` at once, so the exchange
-  runs (on the process group's own threads with gloo, its own stream with NCCL) while backward goes on;
-- with an optimizer, a worker thread takes each bucket once reduced, averages it and applies PyTorch's own
-  optimizer (one instance per bucket, e.g. ``torch.optim.AdamW(..., fused=True)`` on the host) to those
-  parameters while the rest of backward runs. Such parameters get no ``.grad`` from backward: the optimizer
-  consumed it. The next forward waits for the updates;
-- without an optimizer, ``backward_done`` waits for the exchange and writes the averaged gradients back
-  before autograd sees them, so ``.grad`` is the global average, as with ``DistributedDataParallel``.
+- Parameters are known by identity, not by position: a region of a graph-broken model that runs several
+  times (one compiled block, six layers) hands over a different parameter on each run. Each forward run of a
+  region announces the parameters whose gradients its backward will produce (``expect``); a gradient is
+  final when every announced use has reported (a weight read by two runs gets the sum of both).
+- Final gradients fill buckets of ``bucket_bytes`` in the order they become final; a full bucket is
+  flattened and all-reduced with ``torch.distributed.all_reduce(async_op=True)`` at once (data parallel), so
+  the exchange runs while backward goes on, and handed to a worker thread that applies the optimizer to
+  those parameters (one PyTorch optimizer over every parameter: a step only touches parameters with a
+  ``.grad``, so stepping it bucket by bucket is exact and its state and ``param_groups`` are the usual ones,
+  for LR schedulers and ``state_dict()``).
+- The step's backward is over when every announced gradient is final: the last partial bucket is sent, and
+  the call waits for the exchange and the updates, so when ``loss.backward()`` returns the parameters are
+  updated (with an optimizer) or ``.grad`` holds the global average (without one), as with
+  ``DistributedDataParallel``.
+- ``no_sync()``: gradients are added to ``.grad`` and nothing is exchanged or updated (gradient
+  accumulation); the next step outside it takes the accumulated ``.grad`` into its update.
+- ``max_grad_norm``: updates wait for the whole backward, the global norm is computed (after the exchange),
+  gradients are scaled as ``torch.nn.utils.clip_grad_norm_`` does, then the optimizer steps.
 
 On CUDA the host update works on fp32 master copies in pinned host memory: the reduced gradient is copied
 out, the master is updated, and the parameter is refreshed from it. On the CPU the parameter is its own
@@ -21,12 +30,14 @@ master. Events with wall-clock times are kept per step (``trace_events``) as evi
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -36,7 +47,8 @@ from karma_fx.errors import KarmaError
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 DEFAULT_BUCKET_BYTES = 25 << 20
 
-_pipelines: dict[int, "GradientPipeline"] = {}
+_pipelines: "weakref.WeakValueDictionary[int, GradientPipeline]" = weakref.WeakValueDictionary()
+"""Held weakly: a deleted compiled module takes its pipeline, optimizer state and master copies with it."""
 _ids = itertools.count()
 
 
@@ -46,8 +58,9 @@ class ExchangeError(KarmaError):
 
 @dataclass
 class _Bucket:
-    slots: list[int]
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    slots: list[int] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    size_bytes: int = 0
     handle: Any = None
     flat: torch.Tensor | None = None
 
@@ -56,12 +69,16 @@ class GradientPipeline:
     """Per compiled module: which parameters, how to exchange their gradients and how to update them."""
 
     def __init__(self, params: list[torch.nn.Parameter], *, optimizer: OptimizerFactory | None = None,
-                 data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        if bucket_bytes < 1:
-            raise KarmaError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.params = params
-        self.optimizer_factory = optimizer
+                 data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 max_grad_norm: float | None = None) -> None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise KarmaError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise KarmaError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        self.params = list(params)
+        self._slot = {id(p): i for i, p in enumerate(self.params)}
         self.bucket_bytes = bucket_bytes
+        self.max_grad_norm = max_grad_norm
         self.group: Any = None
         self.world_size = 1
         if data_parallel:
@@ -74,64 +91,40 @@ class GradientPipeline:
             self.world_size = dist.get_world_size()
         self.id = next(_ids)
         _pipelines[self.id] = self
-        self._order: list[int] = []
-        self._buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, int] = {}
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._optimizer_of: dict[int, torch.optim.Optimizer] = {}
         self._masters: dict[int, torch.Tensor] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            masters = [self._master(i) for i in range(len(self.params))]
+            try:
+                built = optimizer(masters)
+            except Exception as exc:  # noqa: BLE001 - a bad factory is the user's to fix
+                raise KarmaError(f"the optimizer factory failed on the model's {len(masters)} parameters: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            if not isinstance(built, torch.optim.Optimizer):
+                raise KarmaError(f"optimizer must build a torch.optim.Optimizer, got {type(built).__name__}")
+            self.optimizer = built
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="karma-host-update") \
             if optimizer is not None else None
+        weakref.finalize(self, _shutdown, self._worker)
         self._pending: list[Future] = []
         self._lock = threading.Lock()
+        self._expected: dict[int, int] = {}
+        self._partial: dict[int, torch.Tensor] = {}
+        self._bucket = _Bucket()
+        self._sent: list[_Bucket] = []
+        self._final: list[tuple[int, torch.Tensor]] = []
+        self.accumulating = False
+        self.buckets: list[list[int]] = []
+        """Parameter indices per bucket, in the order the last step sent them."""
         self.trace_events: list[tuple[str, str, float, float]] = []
         """(name, category, start s, end s) of the last step: all-reduces, host updates, backward."""
-        self._backward_start = 0.0
+        self._backward_start: float | None = None
 
     @property
     def consumes_gradients(self) -> bool:
-        return self.optimizer_factory is not None
+        return True
 
-    # ---- set up once the backward graph is known --------------------------------------------------
-    def set_order(self, slots: list[int]) -> None:
-        """Parameter slots in the order backward produces their gradients; makes the buckets.
-
-        A tied weight has a slot per name, but its gradients are summed inside the graph
-        (``sum_tied_gradients``), so backward hands each weight to the pipeline through one slot only."""
-        if len({id(self.params[slot]) for slot in slots}) != len(slots):
-            raise KarmaError("a tied weight reached the gradient pipeline through two slots: its gradients must "
-                             "be summed in the graph first (karma_fx.passes.partition.sum_tied_gradients)")
-        self._order = list(slots)
-        self._buckets, current, size = [], [], 0
-        for slot in slots:
-            current.append(slot)
-            size += self.params[slot].numel() * self.params[slot].element_size()
-            if size >= self.bucket_bytes:
-                self._buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self._buckets.append(_Bucket(current))
-        self._bucket_of = {slot: k for k, b in enumerate(self._buckets) for slot in b.slots}
-        if self.optimizer_factory is not None:
-            # One optimizer per bucket, made the first time its parameters appear and kept for good (its state
-            # is the training state). A later graph may bucket differently: stepping an optimizer only updates
-            # the parameters that have a gradient, and its state is per parameter, so that stays exact.
-            for bucket in self._buckets:
-                new = [slot for slot in bucket.slots if slot not in self._optimizer_of]
-                if not new:
-                    continue
-                masters = [self._master(slot) for slot in new]
-                try:
-                    optimizer = self.optimizer_factory(masters)
-                except Exception as exc:  # noqa: BLE001 - a bad factory is the user's to fix
-                    raise KarmaError(f"optimizer factory failed on a bucket of {len(masters)} parameters: "
-                                     f"{type(exc).__name__}: {exc}") from exc
-                if not isinstance(optimizer, torch.optim.Optimizer):
-                    raise KarmaError(f"optimizer must build a torch.optim.Optimizer, got {type(optimizer).__name__}")
-                self._optimizers.append(optimizer)
-                self._optimizer_of.update({slot: optimizer for slot in new})
-
-    def _master(self, slot: int) -> torch.nn.Parameter:
+    def _master(self, slot: int) -> torch.Tensor:
         p = self.params[slot]
         if p.device.type == "cpu":
             return p
@@ -139,89 +132,165 @@ class GradientPipeline:
         self._masters[slot] = master
         return master
 
-    @property
-    def buckets(self) -> list[list[int]]:
-        return [list(b.slots) for b in self._buckets]
+    def knows(self, param: torch.Tensor) -> bool:
+        return id(param) in self._slot
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients into ``.grad``: no exchange, no update, until the first step outside."""
+        previous, self.accumulating = self.accumulating, True
+        try:
+            yield
+        finally:
+            self.accumulating = previous
+
+    # ---- announced by each forward run of a region ----------------------------------------------------
+    def expect(self, params: list[torch.Tensor]) -> None:
+        """A forward run whose backward will produce gradients for ``params``."""
+        self.wait_updates()
+        for p in params:
+            slot = self._slot.get(id(p))
+            if slot is None:
+                raise KarmaError("a parameter that was not in the model when karma_fx.compile was called "
+                                 "reached the host optimizer; build the optimizer again (karma_fx.compile "
+                                 "the model anew) after adding or replacing parameters")
+            self._expected[slot] = self._expected.get(slot, 0) + 1
 
     # ---- during backward --------------------------------------------------------------------------
-    def ready(self, grad: torch.Tensor, slot: int) -> None:
-        if not self._buckets:
-            return
-        if slot == self._order[0]:
+    def ready(self, grad: torch.Tensor, param: torch.Tensor) -> None:
+        slot = self._slot.get(id(param))
+        if slot is None or slot not in self._expected:
+            raise KarmaError("a gradient reached the host pipeline for a parameter no forward announced; "
+                             "this is a bug in karma_fx, please report it")
+        if self._backward_start is None:
             self._backward_start = time.perf_counter()
             self.trace_events = []
-        bucket = self._buckets[self._bucket_of[slot]]
-        bucket.grads[slot] = grad
-        if len(bucket.grads) < len(bucket.slots):
+        # Keep the very tensor the graph hands over (no .detach()): a host copy made by karma.offload goes back
+        # to the host-buffer pool when that Python tensor dies, and a view of it would then be overwritten.
+        if slot in self._partial:
+            grad = self._partial.pop(slot) + grad
+        self._expected[slot] -= 1
+        if self._expected[slot] > 0:
+            self._partial[slot] = grad
             return
-        k = self._bucket_of[slot]
+        del self._expected[slot]
+        p = self.params[slot]
+        if self.accumulating:
+            p.grad = grad.clone() if p.grad is None else p.grad + grad
+        else:
+            if p.grad is not None:  # accumulated under no_sync(): this step's update takes it in
+                grad = p.grad + grad
+                p.grad = None
+            self._add(slot, grad)
+        if not self._expected:
+            self._end_of_backward()
+
+    def _add(self, slot: int, grad: torch.Tensor) -> None:
+        if self.max_grad_norm is not None and self.group is None:
+            self._final.append((slot, grad))
+            return
+        bucket = self._bucket
+        bucket.slots.append(slot)
+        bucket.grads.append(grad)
+        bucket.size_bytes += grad.numel() * grad.element_size()
+        if bucket.size_bytes >= self.bucket_bytes:
+            self._send()
+
+    def _send(self) -> None:
+        bucket, self._bucket = self._bucket, _Bucket()
+        if not bucket.slots:
+            return
+        k = len(self._sent)
+        self._sent.append(bucket)
         if self.group is not None:
             import torch.distributed as dist
 
-            bucket.flat = torch.cat([bucket.grads[s].reshape(-1) for s in bucket.slots])
+            bucket.flat = torch.cat([g.reshape(-1) for g in bucket.grads])
             start = time.perf_counter()
             try:
                 bucket.handle = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
             except RuntimeError as exc:
-                raise _exchange_error(k, exc) from exc
+                raise _exchange_error(f"the gradient all-reduce of bucket {k}", exc) from exc
             self.trace_events.append((f"all-reduce bucket {k} issued", "allreduce", start, time.perf_counter()))
-        if self._worker is not None:
+        if self._worker is not None and self.max_grad_norm is None:
             self._pending.append(self._worker.submit(self._update, k))
 
     def _reduced(self, k: int) -> list[torch.Tensor]:
         """Bucket ``k``'s gradients, averaged over the ranks (waits for its all-reduce)."""
-        bucket = self._buckets[k]
+        bucket = self._sent[k]
         if bucket.handle is None:
-            return [bucket.grads[s] for s in bucket.slots]
+            return bucket.grads
         start = time.perf_counter()
         try:
             bucket.handle.wait()
         except RuntimeError as exc:
-            raise _exchange_error(k, exc) from exc
+            raise _exchange_error(f"the gradient all-reduce of bucket {k}", exc) from exc
         self.trace_events.append((f"all-reduce bucket {k} done", "allreduce", start, time.perf_counter()))
         assert bucket.flat is not None
         bucket.flat.div_(self.world_size)
         out, offset = [], 0
-        for s in bucket.slots:
-            g = bucket.grads[s]
+        for g in bucket.grads:
             out.append(bucket.flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
-        bucket.handle = None
+        bucket.handle, bucket.grads = None, out
         return out
 
-    def _update(self, k: int) -> None:
-        grads = self._reduced(k)
+    def _apply(self, slots: list[int], grads: list[torch.Tensor], label: str) -> None:
+        assert self.optimizer is not None
         start = time.perf_counter()
-        bucket = self._buckets[k]
-        masters = [self._masters.get(s, self.params[s]) for s in bucket.slots]
+        masters = [self._masters.get(s, self.params[s]) for s in slots]
         for master, g in zip(masters, grads):
-            master.grad = g.detach().to(master.device, master.dtype, non_blocking=False)
-        for optimizer in {id(self._optimizer_of[s]): self._optimizer_of[s] for s in bucket.slots}.values():
-            optimizer.step()
-        for slot, master in zip(bucket.slots, masters):
+            master.grad = g.detach().to(master.device, master.dtype)
+        self.optimizer.step()
+        for slot, master in zip(slots, masters):
             master.grad = None
             if slot in self._masters:
                 with torch.no_grad():
                     self.params[slot].copy_(master, non_blocking=True)
-        bucket.grads.clear()
-        bucket.flat = None
-        self.trace_events.append((f"host update bucket {k}", "update", start, time.perf_counter()))
+        self.trace_events.append((label, "update", start, time.perf_counter()))
 
-    def done(self) -> None:
-        """End of backward: without an optimizer, wait for the exchange and write the averages back."""
+    def _update(self, k: int) -> None:
+        with self._lock:
+            self._apply(self._sent[k].slots, self._reduced(k), f"host update bucket {k}")
+
+    def _end_of_backward(self) -> None:
+        """Every announced gradient is final: send the last bucket, then wait for what is in flight."""
+        if self._final or (self.max_grad_norm is not None and self._bucket.slots):
+            pass
+        self._send()
         end = time.perf_counter()
-        self.trace_events.append(("backward", "backward", self._backward_start, end))
-        if self._worker is not None:
-            return
-        for k, bucket in enumerate(self._buckets):
-            if bucket.handle is not None:
-                for s, avg in zip(bucket.slots, self._reduced(k)):
-                    bucket.grads[s].copy_(avg)
-            bucket.grads.clear()
-            bucket.flat = None
+        self.trace_events.append(("backward", "backward", self._backward_start or end, end))
+        self._backward_start = None
+        self.buckets = [list(b.slots) for b in self._sent]
+        try:
+            if self.max_grad_norm is not None:
+                self._clip_and_update()
+            elif self.optimizer is None:
+                for k, bucket in enumerate(self._sent):
+                    for slot, avg in zip(bucket.slots, self._reduced(k)):
+                        self.params[slot].grad = avg.to(self.params[slot].dtype)
+            self.wait_updates()
+        finally:
+            self._sent = []
+
+    def _clip_and_update(self) -> None:
+        slots, grads = [s for s, _ in self._final], [g for _, g in self._final]
+        for k, bucket in enumerate(self._sent):
+            slots += bucket.slots
+            grads += self._reduced(k)
+        self._final = []
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        grads = [g * scale.to(g.dtype) for g in grads]
+        self.last_grad_norm = float(norm)
+        if self.optimizer is None:
+            for slot, g in zip(slots, grads):
+                self.params[slot].grad = g
+        else:
+            self._apply(slots, grads, "host update (clipped)")
 
     def wait_updates(self) -> None:
-        """Block until every host update of the last step has been applied (called before the next forward)."""
+        """Block until every host update in flight has been applied."""
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
@@ -237,76 +306,51 @@ class GradientPipeline:
              "dur": max((e - s) * 1e6, 1.0)} for name, cat, s, e in self.trace_events]}
 
 
-def _exchange_error(bucket: int, exc: Exception) -> ExchangeError:
+def _shutdown(worker: ThreadPoolExecutor | None) -> None:
+    if worker is not None:
+        worker.shutdown(wait=False)
+
+
+def _exchange_error(what: str, exc: Exception) -> ExchangeError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return ExchangeError(f"the gradient all-reduce of bucket {bucket} failed: a rank died or did not answer within "
-                         f"the process group's timeout ({type(exc).__name__}: {first})")
+    return ExchangeError(f"{what} failed: a rank died or did not answer within the process group's timeout "
+                         f"({type(exc).__name__}: {first})")
 
 
-def gradient_ready(grad: torch.Tensor, pipeline: int, slot: int) -> None:
-    """Called from the backward graph: ``grad`` (of parameter ``slot``) is final and the parameter is no
-    longer read by backward."""
-    _pipelines[pipeline].ready(grad, slot)
+def broadcast_from_rank0(module: torch.nn.Module) -> None:
+    """Start every rank from rank 0's weights and buffers, as ``DistributedDataParallel`` does."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            try:
+                dist.broadcast(t.data, src=0)
+            except RuntimeError as exc:
+                raise _exchange_error("the initial broadcast of rank 0's weights", exc) from exc
 
 
-def backward_done(pipeline: int) -> None:
-    """Called from the backward graph just before it returns."""
-    _pipelines[pipeline].done()
+def gradient_ready(grad: torch.Tensor, param: torch.Tensor, pipeline: int) -> None:
+    """Called from the backward graph: ``grad`` of ``param`` is produced and backward no longer reads it."""
+    _pipelines[pipeline].ready(grad, param)
 
 
-def _storage_of(node: fx.Node) -> Any:
-    from karma_fx.passes.liveness import storage_key
+def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline) -> list[int]:
+    """Turn each ``hand_over(grad, param)`` marker of an emitted backward graph (see
+    ``karma_fx.passes.partition.hand_over_gradients``) into a ``gradient_ready`` call, in place, and drop those
+    gradients from the graph's outputs: the pipeline consumes them. Returns the output positions dropped."""
+    from karma_fx.passes.partition import hand_over
 
-    val = node.meta.get("val")
-    return storage_key(val) if isinstance(val, torch.Tensor) else None
-
-
-def _readers_by_storage(nodes: list[fx.Node]) -> dict[Any, list[fx.Node]]:
-    """For each (fake) storage, the nodes reading any tensor that lives in it."""
-    readers: dict[Any, list[fx.Node]] = {}
-    for node in nodes:
-        key = _storage_of(node)
-        if key is not None:
-            readers.setdefault(key, []).extend(u for u in node.users if u.op != "output")
-    return readers
-
-
-def param_storages_of(fw: fx.GraphModule, param_slots: list[int]) -> dict[int, Any]:
-    """Storage identity of each parameter, read from the forward graph's placeholders (``primals_{slot+1}``)."""
-    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
-    return {slot: _storage_of(placeholders[slot]) for slot in param_slots if slot < len(placeholders)}
-
-
-def insert_gradient_hooks(bw: fx.GraphModule, param_slots: list[int], pipeline: GradientPipeline,
-                          param_storages: dict[int, Any]) -> fx.GraphModule:
-    """Add the ``gradient_ready`` / ``backward_done`` calls to an emitted backward graph (in place).
-    ``param_storages`` (from ``param_storages_of``) says which tensors in it are the parameters."""
     graph = bw.graph
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    output = next(n for n in nodes if n.op == "output")
+    output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
-    readers = _readers_by_storage(nodes)
-    after: list[tuple[int, int, fx.Node]] = []
-    for slot in param_slots:
-        grad = outs[slot] if slot < len(outs) else None
-        if not isinstance(grad, fx.Node):
-            continue
-        # The parameter may reach backward as itself or as views saved by the forward (``t`` of a weight):
-        # every reader of its storage must have run before the optimizer may update it in place.
-        users = readers.get(param_storages.get(slot), [])
-        anchor = max([grad] + users, key=position.__getitem__)
-        after.append((position[anchor], slot, anchor))
-    after.sort(key=lambda e: (e[0], e[1]))
-    for _, slot, anchor in reversed(after):
-        with graph.inserting_after(anchor):
-            graph.call_function(gradient_ready, (outs[slot], pipeline.id, slot))
-    with graph.inserting_before(output):
-        graph.call_function(backward_done, (pipeline.id,))
-    if pipeline.consumes_gradients:
-        consumed = {slot for _, slot, _ in after}
-        output.args = (tuple(None if i in consumed else o for i, o in enumerate(outs)),)
+    consumed = []
+    for i, o in enumerate(outs):
+        if isinstance(o, fx.Node) and o.target is hand_over:
+            grad, param = o.args
+            o.target, o.args = gradient_ready, (grad, param, pipeline.id)
+            outs[i] = None
+            consumed.append(i)
+    output.args = (tuple(outs),)
     graph.lint()
     bw.recompile()
-    pipeline.set_order([slot for _, slot, _ in after])
-    return bw
+    return consumed

@@ -1,4 +1,16 @@
-"""Measure a real training step: device bytes of live storages while it runs, host copies excluded.
+"""Measure a real training step's device memory: allocator events (every path) or live storages (eager paths).
+
+``AllocatorPeak`` reads the allocator's own events through ``torch.profiler`` (``profile_memory=True``): every
+allocation and free during the block, in time order, whose running sum peaks where the allocator peaked. It
+does not change how the code runs, so it measures ``torch.compile`` paths (``karma_fx.compile`` and
+``backend="karma"``) as they really run. It counts bytes allocated *during* the block, so measure a
+steady-state step (the host-buffer pool then reuses its buffers and allocates nothing) and add what existed
+before it (``baseline_bytes``: weights, buffers, inputs, gradients that persist). On a CPU host copies and
+"device" tensors share one allocator: a host buffer allocated during the block counts too.
+
+``LiveBytes`` (below) counts live storages under a ``TorchDispatchMode``: exact to the byte and able to tell
+host copies apart, but under a dispatch mode Dynamo runs the frame eagerly, so it only measures eager paths
+(the joint graph run op by op, a model without ``torch.compile``).
 
 A ``TorchDispatchMode`` sees every op of the step (the compiled forward and backward graphs, the autograd
 engine's gradient seeds and accumulations) and tracks the storage of every tensor they create until the
@@ -22,6 +34,51 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma
+
+
+def storage_bytes(*groups: Iterable[Any]) -> int:
+    """Bytes of the distinct storages of the tensors in ``groups`` (and of their ``.grad``)."""
+    seen: dict[int, int] = {}
+    for group in groups:
+        for t in pytree.tree_leaves(list(group) if not isinstance(group, torch.Tensor) else [group]):
+            if isinstance(t, torch.Tensor):
+                for x in (t, t.grad):
+                    if x is not None and x.device.type != "meta":
+                        storage = x.untyped_storage()
+                        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class AllocatorPeak:
+    """Peak allocator bytes during a ``with`` block, from torch.profiler's raw memory events.
+
+    ``peak_bytes`` = ``baseline_bytes`` (the storages passed in, counted once) + the highest running sum of
+    allocations minus frees during the block; ``end_bytes`` the same at the block's end."""
+
+    def __init__(self, *existing: Iterable[Any]) -> None:
+        self.baseline_bytes = storage_bytes(*existing)
+        self.peak_bytes = self.baseline_bytes
+        self.end_bytes = self.baseline_bytes
+        self._prof: Any = None
+
+    def __enter__(self) -> "AllocatorPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities, profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._prof.__exit__(*exc)
+        events = self._prof.profiler.kineto_results.events()
+        deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        running = peak = 0
+        for _, nbytes in deltas:
+            running += nbytes
+            peak = max(peak, running)
+        self.peak_bytes = self.baseline_bytes + peak
+        self.end_bytes = self.baseline_bytes + running
 
 
 class LiveBytes(TorchDispatchMode):
@@ -88,16 +145,17 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def measure_step_peak(model: torch.nn.Module, step: Any, args: tuple, kwargs: dict, loss_fn: Any) -> LiveBytes:
-    """Run ``loss_fn(step(*args, **kwargs)).backward()`` once under ``LiveBytes`` (after dropping old
-    gradients), counting the model's weights, buffers and the tensor inputs as what existed before."""
+def measure_step_peak(model: torch.nn.Module, step: Any, args: tuple, kwargs: dict, loss_fn: Any) -> AllocatorPeak:
+    """Run ``loss_fn(step(*args, **kwargs)).backward()`` once under ``AllocatorPeak`` (after dropping old
+    gradients), counting the model's weights, buffers and the tensor inputs as what existed before. Run a
+    step first: the measured one should be a steady-state step."""
     import gc
 
     for param in model.parameters():
         param.grad = None
     gc.collect()
     inputs = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-    with LiveBytes(model.parameters(), model.buffers(), inputs) as live:
+    with AllocatorPeak(model.parameters(), model.buffers(), inputs) as live:
         loss = loss_fn(step(*args, **kwargs))
         loss.backward()
         del loss

@@ -125,9 +125,10 @@ def _fakeify(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
 def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None) -> CapturedStep:
     """Trace ``model(*args, **kwargs)`` and the backward of its outputs into one joint aten graph.
 
-    If the model's output carries a scalar ``loss`` (HuggingFace models given ``labels``), only the loss is
-    differentiated, as ``loss.backward()`` would; otherwise every tensor output is, with its incoming gradient
-    as a ``tangents_*`` input (what ``torch.compile`` sees).
+    Every tensor output that requires grad is differentiated, with its incoming gradient as a ``tangents_*``
+    input: exactly what ``torch.compile`` (and so ``karma_fx.compile``) runs. A HuggingFace model given
+    ``labels`` returns its logits beside the loss, and the compiled backward receives a (zero) gradient for
+    them too even when only ``loss.backward()`` is called, so the plan counts that memory as the run needs it.
     """
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -169,12 +170,11 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
             call_leaves[slot] = t
         a, k = pytree.tree_unflatten(call_leaves, spec)
         raw_out = torch.func.functional_call(model, state, tuple(a), k, tie_weights=True, strict=False)
-    loss_only = _has_loss(raw_out)
-    step = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=loss_only)
-    if loss_only:
-        output_names: tuple[str, ...] = ("loss",)
-    else:
-        output_names = tuple(f"output[{i}]" for i in range(len(_flatten_outputs(raw_out, False))))
+    step = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=False)
+    names = [f"output[{i}]" for i in range(len(_flatten_outputs(raw_out, False)))]
+    if _has_loss(raw_out) and names:
+        names[0] = "loss"
+    output_names: tuple[str, ...] = tuple(names)
 
     captured: dict[str, Any] = {}
 

@@ -11,6 +11,7 @@ import inspect
 import operator
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from karma_fx.passes.capture import CapturedStep
@@ -24,9 +25,11 @@ PlanFn = Callable[[Problem, CapturedStep], Plan]
 
 def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
                       on_done: Callable[[Problem, Plan, fx.GraphModule, fx.GraphModule], None],
-                      tied: tuple[tuple[int, int], ...] = ()) -> Callable:
+                      tied: tuple[tuple[int, int], ...] = (), save_params: bool = False) -> Callable:
     """A ``partition_fn`` that plans with ``plan_fn`` and reports the result to ``on_done``. ``tied``: pairs
-    (first primal, later primal) that are the same weight under two names (see ``sum_tied_gradients``)."""
+    (first primal, later primal) that are the same weight under two names (see ``sum_tied_gradients``).
+    ``save_params``: hand every parameter to the backward graph (it costs no memory: a parameter lives all
+    step anyway), so that the gradient pipeline can be told which parameter a gradient belongs to."""
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **options: Any):
         sum_tied_gradients(joint, tied, num_fwd_outputs)
@@ -34,8 +37,10 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
                             num_fwd_outputs=num_fwd_outputs, output_names=(), joint_inputs=joint_inputs)
         problem = build_problem(step)
         plan = plan_fn(problem, step)
-        if plan.decisions:
-            rewritten, offload_names = rewrite_joint(step, problem, plan)
+        if plan.decisions or save_params:
+            rewritten, offload_names = rewrite_joint(step, problem, plan) if plan.decisions else (joint, set())
+            if save_params:
+                hand_over_gradients(rewritten, primal_kinds, num_fwd_outputs)
             fw, bw = split(rewritten, num_fwd_outputs, offload_names)
         else:  # nothing moves: exactly the graphs PyTorch's own default partitioner emits (no karma ops at all)
             from torch._functorch.partitioners import default_partition
@@ -78,6 +83,51 @@ def sum_tied_gradients(joint: fx.GraphModule, tied: tuple[tuple[int, int], ...],
     if changed:
         output.args = (type(output.args[0])(outs),)
         joint.graph.lint()
+        joint.recompile()
+
+
+def hand_over(grad: Any, param: Any) -> Any:
+    """A marker in the joint graph: ``grad`` of ``param`` is final here and the parameter is no longer read.
+    Returns ``grad``; the backward compiler turns each marker into a call to the gradient pipeline."""
+    return grad
+
+
+def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outputs: int) -> None:
+    """Route each parameter's gradient through a ``hand_over(grad, param)`` node placed after the gradient is
+    made and after the parameter's last read (directly or through a view), in place. The parameter thereby
+    reaches the backward graph, so the pipeline learns which parameter a gradient belongs to even when one
+    compiled region runs for several layers, each with its own weights."""
+    from karma_fx.passes.liveness import storage_key
+
+    graph = joint.graph
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    primals = [n for n in nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    output = next(n for n in nodes if n.op == "output")
+    outs = list(output.args[0])
+    readers: dict[Any, list[fx.Node]] = {}
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            readers.setdefault(storage_key(val), []).extend(u for u in node.users if u.op != "output")
+    changed = False
+    for slot, kind in enumerate(primal_kinds):
+        at = num_fwd_outputs + slot
+        if kind != "param" or slot >= len(primals) or at >= len(outs) or not isinstance(outs[at], fx.Node):
+            continue
+        param, grad = primals[slot], outs[at]
+        val = param.meta.get("val")
+        later = readers.get(storage_key(val), []) if isinstance(val, torch.Tensor) else list(param.users)
+        anchor = max([grad] + [r for r in later if r in position], key=position.__getitem__)
+        with graph.inserting_after(anchor):
+            marker = graph.call_function(hand_over, (grad, param))
+        marker.meta = {k: v for k, v in grad.meta.items() if k in ("val", "tensor_meta")}
+        marker.meta["partitioner_tag"] = "is_backward"
+        outs[at] = marker
+        changed = True
+    if changed:
+        output.args = (type(output.args[0])(outs),)
+        graph.lint()
         joint.recompile()
 
 

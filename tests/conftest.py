@@ -28,3 +28,12 @@ def prepared(name: str, device: str = "h100"):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo caches compiled code per model class; each test starts from an empty cache."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield

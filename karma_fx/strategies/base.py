@@ -195,13 +195,20 @@ def leanest_swaps(problem: Problem) -> tuple[Offload, ...]:
     return tuple(offload_for(problem, g, release=True) for g in saved_gaps(problem))
 
 
-def leanest_peak(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> int:
-    """The peak of the leanest plan (``leanest_swaps``; with ``stream_weights`` also every weight streamed and
-    every gradient sent to the host). The floor quoted when a budget is infeasible."""
+def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> tuple[Decision, ...]:
+    """The decisions of the leanest plan known: every saved activation swapped out synchronously right after
+    its last forward read and fetched back just in time (``leanest_swaps``), or nothing where that peaks
+    higher; with ``stream_weights`` also every weight streamed and every gradient sent to the host."""
     swaps = leanest_swaps(problem)
     if stream_weights:
         from karma_fx.strategies.weights import weight_streams
 
-        return min(timeline_of(problem, costs, swaps + weight_streams(problem, swaps)).peak_bytes,
-                   timeline_of(problem, costs, weight_streams(problem)).peak_bytes)
-    return min(timeline_of(problem, costs, swaps).peak_bytes, timeline_of(problem, costs, ()).peak_bytes)
+        options: list[tuple[Decision, ...]] = [swaps + weight_streams(problem, swaps), weight_streams(problem)]
+    else:
+        options = [swaps, ()]
+    return min(options, key=lambda d: timeline_of(problem, costs, d).peak_bytes)
+
+
+def leanest_peak(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> int:
+    """The peak of the leanest plan (``leanest_decisions``): the floor quoted when a budget is infeasible."""
+    return timeline_of(problem, costs, leanest_decisions(problem, costs, stream_weights=stream_weights)).peak_bytes

@@ -104,5 +104,32 @@ class WeightsOutOfCore:
                 break
             reserve += timeline.peak_bytes - budget_bytes
         assert best is not None
+        plan = best[1]
+        if best[0][0] == 0 and plan.status == "INFEASIBLE":
+            # The inner strategy judged the lighter step at a reserve that proved pessimistic; the whole plan fits.
+            plan = replace(plan, status="HEURISTIC", notes=tuple(n for n in plan.notes if "no plan fits" not in n))
+        return plan
+
+
+class BestOf:
+    """The fastest plan that fits among several strategies (the lowest peak if none fits), each judged by the
+    simulator; named after the first, with ``FALLBACK:<name>`` as status when another one wins."""
+
+    def __init__(self, strategies: list[Strategy]) -> None:
+        self.strategies = strategies
+        self.name = strategies[0].name
+
+    def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
+        best: tuple[tuple[int, float], Plan] | None = None
+        for i, strategy in enumerate(self.strategies):
+            plan = strategy(problem, costs, budget_bytes)
+            timeline = simulate(problem, plan.decisions, costs)
+            fits = timeline.peak_bytes <= budget_bytes
+            key = (0 if fits else 1, timeline.makespan_us if fits else float(timeline.peak_bytes))
+            if i:
+                plan = replace(plan, strategy=self.name, status=f"FALLBACK:{strategy.name}")
+            if best is None or key < best[0]:
+                best = (key, plan)
+        assert best is not None
         return best[1]
 

@@ -1,0 +1,97 @@
+"""``KarmaConfig``: everything that says how to plan, validated once, carried unchanged through ``karma_fx.plan``,
+``karma_fx.compile`` and ``torch.compile(backend="karma", options=...)``.
+
+Each entry point builds one from its arguments (the backend from its ``options`` dict, with the budget taken
+from the ``KARMA_BUDGET`` environment variable where a framework passes no options), so a bad value fails
+before any tracing, with the same message whichever door the user came through.
+
+Example::
+
+    config = KarmaConfig.make(budget="12GiB", strategy="greedy", device="h100")
+    KarmaConfig.from_options({"budget": 0.5})
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from karma_fx.budget import Budget
+from karma_fx.device import DeviceSpec, get_device
+from karma_fx.errors import KarmaError
+from karma_fx.strategies import DEFAULT_STRATEGY, STRATEGY_NAMES, Strategy
+
+BUDGET_ENV = "KARMA_BUDGET"
+PLAN_CACHE_ENV = "KARMA_PLAN_CACHE"
+OPTIONS = ("budget", "strategy", "device", "offload_weights", "time_limit_s", "plan_cache")
+"""The keys ``backend="karma"`` accepts in ``options``."""
+
+
+@dataclass(frozen=True)
+class KarmaConfig:
+    """How to plan: the budget, the strategy, the device whose costs are modelled, and the options."""
+
+    budget: Budget
+    strategy: "str | Strategy" = DEFAULT_STRATEGY
+    device: DeviceSpec = field(default_factory=get_device)
+    offload_weights: bool = False
+    time_limit_s: float | None = None
+    """Wall-clock limit for planning one region (capture excluded); the best plan found by then is used."""
+    plan_cache: str | None = None
+    """A directory where plans are saved, keyed by the captured graph, the device, the strategy and the
+    budget, so that a restarted job reuses them instead of planning again (default ``$KARMA_PLAN_CACHE``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, Budget):
+            object.__setattr__(self, "budget", Budget.of(self.budget))
+        strategy = self.strategy
+        if isinstance(strategy, str):
+            if strategy not in STRATEGY_NAMES:
+                raise KarmaError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+        elif not callable(strategy):
+            raise KarmaError(f"strategy must be one of {', '.join(STRATEGY_NAMES)} or a Strategy object "
+                             f"(a callable with a name), got {strategy!r}")
+        if not isinstance(self.device, DeviceSpec):
+            object.__setattr__(self, "device", get_device(self.device))
+        if not isinstance(self.offload_weights, bool):
+            raise KarmaError(f"offload_weights must be True or False, got {self.offload_weights!r}")
+        limit = self.time_limit_s
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Real)
+                                  or not math.isfinite(float(limit)) or float(limit) <= 0):
+            raise KarmaError(f"time_limit_s must be a positive number of seconds, got {limit!r}")
+        if limit is not None:
+            object.__setattr__(self, "time_limit_s", float(limit))
+        cache = self.plan_cache if self.plan_cache is not None else os.environ.get(PLAN_CACHE_ENV) or None
+        if cache is not None and not isinstance(cache, (str, os.PathLike)):
+            raise KarmaError(f"plan_cache must be a directory path, got {cache!r}")
+        object.__setattr__(self, "plan_cache", os.fspath(cache) if cache is not None else None)
+
+    @classmethod
+    def make(cls, *, budget: Any, strategy: Any = None, device: Any = None, offload_weights: Any = False,
+             time_limit_s: Any = None, plan_cache: Any = None) -> "KarmaConfig":
+        """From keyword arguments as the public functions take them (``None`` means the default)."""
+        return cls(budget=Budget.of(budget), strategy=DEFAULT_STRATEGY if strategy is None else strategy,
+                   device=get_device(device), offload_weights=offload_weights, time_limit_s=time_limit_s,
+                   plan_cache=plan_cache)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "KarmaConfig":
+        """From ``torch.compile(backend="karma", options=...)``; the budget defaults to ``$KARMA_BUDGET``."""
+        options = dict(options or {})
+        unknown = set(options) - set(OPTIONS)
+        if unknown:
+            raise KarmaError(f"unknown karma backend options {sorted(unknown)}; known: {list(OPTIONS)}")
+        if "budget" not in options:
+            env = os.environ.get(BUDGET_ENV)
+            if not env:
+                raise KarmaError('torch.compile(backend="karma") needs a budget: options={"budget": "12GiB"} '
+                                 '(bytes) or {"budget": 0.5} (a fraction of the unplanned peak), or set the '
+                                 f"environment variable {BUDGET_ENV}")
+            options["budget"] = env
+        return cls.make(**options)
+
+    def describe(self) -> str:
+        name = self.strategy if isinstance(self.strategy, str) else getattr(self.strategy, "name", "custom")
+        return f"budget {self.budget}, strategy {name}, device {self.device.name}"

@@ -1,0 +1,289 @@
+"""The paths a training loop takes through ``karma_fx.compile``: each reproduces a silent wrong result or a raw
+traceback found by probing the drop-in as a new user would, and checks the behaviour eager PyTorch has."""
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import karma_fx
+from karma_fx.budget import Budget, parse_budget
+from karma_fx.errors import BudgetError, KarmaError, UnsupportedModelError
+
+
+class Net(nn.Module):
+    """Dropout and BatchNorm (train/eval differ), a buffer reassigned in forward (an EMA), two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(32, 4)
+        self.register_buffer("ema", torch.zeros(32))
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.bn(self.fc(x))))
+        self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+        return self.head(h)
+
+
+def pair():
+    torch.manual_seed(0)
+    model = Net()
+    return model, copy.deepcopy(model), torch.randn(8, 16)
+
+
+def same(a, b):
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def run_both(step, model, reference, x, seed=0, backward=True):
+    """One step of each (gradients dropped first, as ``optimizer.zero_grad()`` does)."""
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = step(x)
+    torch.manual_seed(seed)
+    ref = reference(x)
+    if backward and torch.is_grad_enabled() and out.requires_grad:
+        out.sum().backward()
+        ref.sum().backward()
+    return out, ref
+
+
+def test_eval_and_back_to_train_follow_the_model():
+    model, reference, x = pair()
+    step = karma_fx.compile(model, budget=1.0, strategy="keep")
+    out, ref = run_both(step, model, reference, x)
+    assert same(out, ref)
+    model.eval(), reference.eval()
+    out, ref = run_both(step, model, reference, x, backward=False)
+    assert same(out, ref), "eval: no dropout, BatchNorm's running statistics"
+    assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+    model.train(), reference.train()
+    out, ref = run_both(step, model, reference, x, seed=1)
+    assert same(out, ref)
+    assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+    assert same(model.ema, reference.ema), "a buffer reassigned in forward is updated every call"
+
+
+def test_unfreeze_swap_and_new_parameter_are_seen():
+    model, reference, x = pair()
+    for m in (model, reference):
+        m.fc.requires_grad_(False)
+    step = karma_fx.compile(model, budget=1.0, strategy="checkpoint")
+    run_both(step, model, reference, x)
+    assert model.fc.weight.grad is None
+    for m in (model, reference):
+        m.fc.requires_grad_(True)
+    run_both(step, model, reference, x, seed=1)
+    assert model.fc.weight.grad is not None and same(model.fc.weight.grad, reference.fc.weight.grad)
+    torch.manual_seed(5)
+    model.head = nn.Linear(32, 4)
+    torch.manual_seed(5)
+    reference.head = nn.Linear(32, 4)
+    out, ref = run_both(step, model, reference, x, seed=2)
+    assert same(out, ref) and same(model.head.weight.grad, reference.head.weight.grad)
+    w = torch.randn(4, 32)
+    model.head.weight, reference.head.weight = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+    out, ref = run_both(step, model, reference, x, seed=3)
+    assert same(out, ref) and same(model.head.weight.grad, reference.head.weight.grad)
+
+
+def test_autocast_and_input_strides_recompile():
+    model, reference, x = pair()
+    step = karma_fx.compile(model, budget=1.0, strategy="keep")
+    run_both(step, model, reference, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = run_both(step, model, reference, x, seed=1)
+    assert out.dtype == ref.dtype == torch.bfloat16 and same(out.float(), ref.float())
+    xt = x.t().contiguous().t()
+    out, ref = run_both(step, model, reference, xt, seed=2)
+    assert same(out, ref)
+
+
+def test_behaves_like_the_model():
+    from karma_fx.zoo import build
+
+    model, args, kwargs = build("gpt2", "tiny")
+    step = karma_fx.compile(model, budget=1.0, strategy="keep")
+    assert list(step.state_dict()) == list(model.state_dict())
+    assert step.config is model.config and step.generate == model.generate
+    buffer = io.BytesIO()
+    torch.save(step.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer)
+    fresh, _, _ = build("gpt2", "tiny")
+    karma_fx.compile(fresh, budget=1.0).load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+# ---- budgets ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ambiguous", [1.5, 2, "2", "100", 1023, np.float64(1.5)])
+def test_numbers_between_one_and_a_kibibyte_are_refused(ambiguous):
+    with pytest.raises(BudgetError, match="ambiguous"):
+        parse_budget(ambiguous, 1000)
+    with pytest.raises(BudgetError):
+        karma_fx.compile(nn.Linear(2, 2), budget=ambiguous)
+
+
+def test_one_meaning_for_strings_numbers_and_numpy():
+    assert Budget.of("0.9") == Budget.of(0.9).__class__(fraction=0.9, text="'0.9'")
+    assert parse_budget("0.9", 1000) == parse_budget(0.9, 1000) == parse_budget(np.float64(0.9), 1000) == 900
+    assert parse_budget(np.float32(0.5), 1000) == 500
+    assert parse_budget(np.int64(4096)) == parse_budget("4096") == parse_budget(4096.0) == 4096
+    assert parse_budget(1) == parse_budget("1", 1000) if False else parse_budget(1, 1000) == 1000
+
+
+def test_a_fraction_is_resolved_once_and_kept_for_other_shapes():
+    """A smaller last batch must not re-resolve the fraction against its own (smaller) peak and fail."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+    step = karma_fx.compile(model, budget=0.9)
+    step(torch.randn(1024, 64)).sum().backward()
+    first = step.plan.budget_bytes
+    model.zero_grad(set_to_none=True)
+    step(torch.randn(3, 64)).sum().backward()
+    assert step._session.budget_bytes == first
+    assert len(step.regions) == 2 and step.regions[1].plan.budget_bytes <= first
+
+
+def test_the_smallest_budget_named_works_with_the_default_strategy():
+    from karma_fx.errors import InfeasibleBudgetError
+    from karma_fx.zoo import build, output_to_loss
+
+    model, args, kwargs = build("mlp", "tiny")
+    with pytest.raises(InfeasibleBudgetError) as info:
+        output_to_loss(karma_fx.compile(model, budget=2048)(*args, **kwargs)).backward()
+    floor = info.value.min_budget_bytes
+    step = karma_fx.compile(model, budget=floor)
+    output_to_loss(step(*args, **kwargs)).backward()
+    assert step.plan.fits and step.plan.peak_bytes <= floor
+    plan = karma_fx.plan(model, args, kwargs, budget=floor)  # plan() sees the same graph, agrees on the floor
+    assert plan.fits
+
+
+# ---- the host optimizer --------------------------------------------------------------------------------------
+def test_gradient_accumulation_then_one_update_equals_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    reference = copy.deepcopy(model)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+    # accumulated gradients stay on the device between micro-steps: the budget must hold them too
+    step = karma_fx.compile(model, budget="1MiB", strategy="keep", optimizer=adamw, bucket_bytes=512)
+    ordinary = adamw(reference.parameters())
+    batches = [torch.randn(4, 16) for _ in range(4)]
+    for i in range(0, 4, 2):
+        with step.no_sync():
+            step(batches[i]).sum().backward()
+        assert model[0].weight.grad is not None, "inside no_sync gradients accumulate in .grad"
+        step(batches[i + 1]).sum().backward()
+        reference(batches[i]).sum().backward()
+        reference(batches[i + 1]).sum().backward()
+        ordinary.step()
+        ordinary.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad is None
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_the_host_optimizer_is_reachable_for_schedulers_clipping_and_checkpoints():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    reference = copy.deepcopy(model)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    step = karma_fx.compile(model, budget="1MiB", strategy="keep", optimizer=sgd, max_grad_norm=0.5)
+    ordinary = sgd(reference.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(step.optimizer, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ordinary, step_size=1, gamma=0.5)
+    for i in range(3):
+        x = torch.randn(4, 16)
+        step(x).sum().backward()
+        sched.step()
+        reference(x).sum().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ordinary.step()
+        ordinary.zero_grad()
+        ref_sched.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+    state = step.optimizer.state_dict()
+    assert state["param_groups"][0]["lr"] == pytest.approx(0.1 * 0.5 ** 3) and len(state["state"]) == 4
+    with pytest.raises(KarmaError, match="max_grad_norm"):
+        step.clip_grad_norm_(1.0)
+
+
+# ---- models users train ---------------------------------------------------------------------------------------
+class Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).detach()
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LSTM(16, 32), lambda: nn.GRU(16, 32)])
+def test_recurrent_models_run_as_eager(make, caplog):
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 3, 16)
+    step = karma_fx.compile(model, budget=1.0)
+    out, _ = step(x)
+    ref, _ = reference(x)
+    out.sum().backward()
+    ref.sum().backward()
+    assert same(out, ref)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert same(p.grad, q.grad)
+
+
+def test_detached_outputs_and_meta_models_say_what_is_wrong():
+    model = Detached()
+    out = karma_fx.compile(model, budget=1.0)(torch.randn(2, 4))
+    assert torch.equal(out, model(torch.randn(2, 4)) * 0 + out) and not out.requires_grad
+    meta = nn.Linear(4, 4, device="meta")
+    with pytest.raises(UnsupportedModelError, match="meta device"):
+        karma_fx.compile(meta, budget=1.0)(torch.randn(2, 4, device="meta"))
+
+
+def test_bad_arguments_to_plan_are_typed():
+    model = nn.Linear(4, 4)
+    with pytest.raises(KarmaError, match="strategy"):
+        karma_fx.plan(model, (torch.randn(2, 4),), budget=0.5, strategy=123)
+    with pytest.raises(KarmaError, match="kwargs"):
+        karma_fx.plan(model, (torch.randn(2, 4),), [1], budget=0.5)
+    with pytest.raises(KarmaError, match="time_limit_s"):
+        karma_fx.compile(model, budget=0.5, time_limit_s=-1)
+
+
+# ---- registries hold nothing alive -------------------------------------------------------------------------------
+def test_deleted_modules_and_options_leave_nothing_behind():
+    import weakref
+
+    from karma_fx import backend, exchange
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+    step = karma_fx.compile(model, budget=1.0, strategy="keep",
+                            optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    step(torch.randn(4, 256)).sum().backward()
+    options = {"budget": 1.0, "strategy": "keep"}
+    other = nn.Sequential(nn.Linear(8, 8))
+    torch.compile(other, backend="karma", options=options, dynamic=False)(torch.randn(2, 8)).sum().backward()
+    watch = [weakref.ref(model), weakref.ref(step.pipeline), weakref.ref(model[0].weight),
+             weakref.ref(step.pipeline.optimizer)]
+    pipeline, key = step.pipeline.id, id(options)
+    assert pipeline in exchange._pipelines and key in backend._sessions
+    del model, step, other, options
+    torch._dynamo.reset()
+    gc.collect()
+    assert all(w() is None for w in watch)
+    assert pipeline not in exchange._pipelines and key not in backend._sessions
