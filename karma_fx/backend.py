@@ -309,8 +309,13 @@ class Session:
                     return self._variant(region, cached)
                 except InvalidPlanError as exc:
                     log.warning("karma_fx: the cached plan does not fit this graph (%s); planning again", exc)
-        planned = p.plan(Budget(size_bytes=target), self.config.strategy, raise_if_infeasible=False,
-                         offload_weights=self.config.offload_weights, time_limit_s=self.config.time_limit_s)
+        from karma_fx.progress import planning
+
+        with planning(f"region {region.index} ({len(p.problem.ops)} ops)"):
+            planned = p.plan(Budget(size_bytes=target), self.config.strategy, raise_if_infeasible=False,
+                             offload_weights=self.config.offload_weights, time_limit_s=self.config.time_limit_s)
+        log.info("karma_fx: region %d planned at %s: %s, %s, peak %s", region.index, format_bytes(target),
+                 planned.plan.strategy, planned.plan.status, format_bytes(planned.plan.peak_bytes))
         if cache is not None and key is not None:
             cache.put(key, planned.plan)
         return Variant(plan=planned.plan, fp=footprint(p.problem, planned.timeline, planned.plan,

@@ -120,10 +120,6 @@ class GradientPipeline:
         """(name, category, start s, end s) of the last step: all-reduces, host updates, backward."""
         self._backward_start: float | None = None
 
-    @property
-    def consumes_gradients(self) -> bool:
-        return True
-
     def _master(self, slot: int) -> torch.Tensor:
         p = self.params[slot]
         if p.device.type == "cpu":
@@ -255,8 +251,6 @@ class GradientPipeline:
 
     def _end_of_backward(self) -> None:
         """Every announced gradient is final: send the last bucket, then wait for what is in flight."""
-        if self._final or (self.max_grad_norm is not None and self._bucket.slots):
-            pass
         self._send()
         end = time.perf_counter()
         self.trace_events.append(("backward", "backward", self._backward_start or end, end))

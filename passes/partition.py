@@ -25,14 +25,13 @@ PlanFn = Callable[[Problem, CapturedStep], Plan]
 
 def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
                       on_done: Callable[[Problem, Plan, fx.GraphModule, fx.GraphModule], None],
-                      tied: tuple[tuple[int, int], ...] = (), save_params: bool = False) -> Callable:
-    """A ``partition_fn`` that plans with ``plan_fn`` and reports the result to ``on_done``. ``tied``: pairs
-    (first primal, later primal) that are the same weight under two names (see ``sum_tied_gradients``).
-    ``save_params``: hand every parameter to the backward graph (it costs no memory: a parameter lives all
-    step anyway), so that the gradient pipeline can be told which parameter a gradient belongs to."""
+                      save_params: bool = False) -> Callable:
+    """A ``partition_fn`` that plans with ``plan_fn`` and reports the result to ``on_done``.
+    ``save_params``: route each parameter's gradient through a ``hand_over`` marker that also reads the
+    parameter (``hand_over_gradients``), so that the gradient pipeline learns which parameter a gradient belongs
+    to; saving a parameter for the backward costs no memory, it lives all step anyway."""
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **options: Any):
-        sum_tied_gradients(joint, tied, num_fwd_outputs)
         step = CapturedStep(joint=joint, primal_kinds=primal_kinds, primal_names=primal_names,
                             num_fwd_outputs=num_fwd_outputs, output_names=(), joint_inputs=joint_inputs)
         problem = build_problem(step)
@@ -50,40 +49,6 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
         return fw, bw
 
     return partition
-
-
-def sum_tied_gradients(joint: fx.GraphModule, tied: tuple[tuple[int, int], ...], num_fwd_outputs: int) -> None:
-    """One gradient per tied weight, summed inside the graph (in place).
-
-    AOTAutograd lifts a weight once per name, so a tied weight (GPT-2's embedding and LM head) is two primals
-    and gets two gradients, which autograd would sum after the graph returns: an allocation the size of the
-    weight that no plan sees (measured: BERT's step 2% over its budget). Summing them in the graph, returning
-    the sum for the first primal and nothing for the other, puts that addition where the planner counts it.
-    """
-    import torch
-
-    output = next(n for n in joint.graph.nodes if n.op == "output")
-    outs = list(output.args[0])
-    changed = False
-    for j, i in tied:
-        if num_fwd_outputs + max(i, j) >= len(outs):
-            continue
-        gj, gi = outs[num_fwd_outputs + j], outs[num_fwd_outputs + i]
-        if not (isinstance(gi, fx.Node) and isinstance(gj, fx.Node)):
-            continue  # only one name is used in the model: one gradient, nothing to sum
-        with joint.graph.inserting_before(output):
-            total = joint.graph.call_function(torch.ops.aten.add.Tensor, (gj, gi))
-        a, b = gj.meta.get("val"), gi.meta.get("val")
-        mode = getattr(a, "fake_mode", None)
-        if a is not None and b is not None and mode is not None:
-            with mode:
-                total.meta["val"] = a + b
-        outs[num_fwd_outputs + j], outs[num_fwd_outputs + i] = total, None
-        changed = True
-    if changed:
-        output.args = (type(output.args[0])(outs),)
-        joint.graph.lint()
-        joint.recompile()
 
 
 def hand_over(grad: Any, param: Any) -> Any:

@@ -170,6 +170,20 @@ def test_the_smallest_budget_named_works_with_the_default_strategy():
     assert plan.fits
 
 
+def test_plan_and_compile_agree_on_an_hf_model_returning_its_loss():
+    """plan() differentiates what the compiled step differentiates (the loss and the logits it also returns),
+    so the floor plan() names works under compile(), and both model the same step."""
+    from karma_fx.zoo import build, output_to_loss
+
+    model, args, kwargs = build("gpt2", "tiny")
+    prepared = karma_fx.prepare(model, args, kwargs)
+    floor = prepared.min_peak_bytes()
+    step = karma_fx.compile(model, budget=floor, time_limit_s=20)
+    output_to_loss(step(*args, **kwargs)).backward()
+    assert step.plan.fits
+    assert step.unplanned_peak_bytes == prepared.unplanned_peak_bytes
+
+
 # ---- the host optimizer --------------------------------------------------------------------------------------
 def test_gradient_accumulation_then_one_update_equals_eager():
     torch.manual_seed(0)
