@@ -301,3 +301,36 @@ def test_deleted_modules_and_options_leave_nothing_behind():
     gc.collect()
     assert all(w() is None for w in watch)
     assert pipeline not in exchange._pipelines and key not in backend._sessions
+
+
+def encoder_decoder(name: str):
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    if name == "t5":
+        return T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=2, num_heads=2,
+                                                   d_kv=16, decoder_start_token_id=0, pad_token_id=0))
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("name, door", [("t5", "compile"), ("t5", "backend"), ("bart", "compile")])
+def test_encoder_decoders_whose_outputs_hold_caches_train_as_eager(name, door):
+    """Their outputs carry a transformers Cache object beside the loss (a raw traceback before)."""
+    model = encoder_decoder(name)
+    reference = copy.deepcopy(model)
+    step = (karma_fx.compile(model, budget=1.0) if door == "compile"
+            else torch.compile(model, backend="karma", options={"budget": 1.0}, dynamic=False))
+    ids, labels = torch.randint(1, 100, (2, 8)), torch.randint(1, 100, (2, 8))
+    torch.manual_seed(1)
+    loss = step(input_ids=ids, labels=labels).loss
+    loss.backward()
+    torch.manual_seed(1)
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    assert torch.allclose(loss, want, rtol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), n
