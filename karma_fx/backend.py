@@ -127,6 +127,8 @@ class Session:
         self._runs: list[_Run] = []
         self._previous: list[_Run] | None = None
         self._seen: dict[int, int] = {}
+        self._inputs: dict[int, int] = {}
+        self._previous_inputs = 0
         self._produced: set[int] = set()
         self._saw_backward = False
         self._step_persistent = 0
@@ -142,17 +144,18 @@ class Session:
         self._step_persistent = self._model_persistent_bytes()
         if self._runs:
             self._previous = self._runs
-            self._previous_persistent = sum(self._seen.values())
+            self._previous_persistent = sum(self._seen.values())  # weights and buffers: the same next step
+            self._previous_inputs = sum(self._inputs.values())
             self._previous_fit = False
             if self._learning:
                 self._learning = False
                 self._check_sequence(self._previous)
             else:
                 assert self.budget_bytes is not None
-                persistent = max(self._step_persistent, self._previous_persistent)
+                persistent = max(self._step_persistent, self._previous_persistent) + self._previous_inputs + self._previous_inputs
                 self._previous_fit = total_that_works(persistent, [r.fp() for r in self._previous]
                                                       ) <= self.budget_bytes
-        self._runs, self._seen, self._saw_backward = [], {}, False
+        self._runs, self._seen, self._inputs, self._saw_backward = [], {}, {}, False
         self._produced: set[int] = set()
 
     def _model_persistent_bytes(self) -> int:
@@ -176,12 +179,18 @@ class Session:
             if not isinstance(t, torch.Tensor) or (kind == "param" and self.config.offload_weights):
                 continue
             s = t.untyped_storage()
-            if kind in ("param", "buffer") or s.data_ptr() not in self._produced:
+            if kind in ("param", "buffer"):
                 self._seen[s.data_ptr()] = s.nbytes()
+            elif s.data_ptr() not in self._produced:  # the batch: this step's, not the last step's size
+                self._inputs[s.data_ptr()] = s.nbytes()
+        mine = {**self._seen, **self._inputs}
         own = sum(t.untyped_storage().nbytes() for t, kind in zip(args, region.kinds)
-                  if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self._seen
+                  if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in mine
                   and not (kind == "param" and self.config.offload_weights))
-        return max(self._step_persistent, sum(self._seen.values()), self._previous_persistent), own
+        return self._weights_bytes() + sum(self._inputs.values()), own
+
+    def _weights_bytes(self) -> int:
+        return max(self._step_persistent, sum(self._seen.values()), self._previous_persistent)
 
     def _later(self, region: Region) -> list[Footprint] | None:
         """Leanest footprints of the runs that followed this one in the previous step, if this step has run
@@ -199,7 +208,7 @@ class Session:
 
     def _check_sequence(self, runs: list[_Run]) -> None:
         """After a step planned run by run without knowing the runs to come: did it fit, and can it?"""
-        persistent = max(self._step_persistent, self._previous_persistent)
+        persistent = max(self._step_persistent, self._previous_persistent) + self._previous_inputs
         assert self.budget_bytes is not None
         ran = total_that_works(persistent, [r.fp() for r in runs])
         self._previous_fit = ran <= self.budget_bytes
@@ -267,7 +276,7 @@ class Session:
         p = region.prepared
         own = sum(st.size_bytes for st in p.problem.storages if st.producer is None and st.kind != "tangent"
                   and not (st.kind == "param" and self.config.offload_weights))
-        return max(0, max(self._step_persistent, self._previous_persistent, sum(self._seen.values())) - own)
+        return max(0, self._weights_bytes() + sum(self._inputs.values()) - own)
 
     def _leanest(self, region: Region) -> Variant:
         if region.leanest is None:
