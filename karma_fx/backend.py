@@ -380,17 +380,25 @@ class Session:
         runs = [*(r.fp(self._leanest(r.region)) for r in self._runs), replace(lean.fp, own_bytes=own),
                 *(later or [])]
         needed = total_that_works(max(persistent, self._step_persistent), runs)
-        model = region.prepared.problem.name
         others = self.others_bytes(region)
         unplanned = region.prepared.unplanned_peak_bytes + others
+        grads = self._lingering_grad_bytes()
         raise InfeasibleBudgetError(
-            f"strategy {_name(self.config.strategy)!r} cannot fit the training step in {format_bytes(self.budget_bytes)}"
+            f"strategy {_name(self.config.strategy)!r} cannot fit the training step in "
+            f"{format_bytes(self.budget_bytes)}"
             + (f" (its {len(runs)} compiled region runs share the budget)" if len(runs) > 1 else "")
             + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: every saved "
               f"activation swapped out and back just in time), which the default strategy {DEFAULT_STRATEGY!r} "
-              f"reaches; the "
-              f"unplanned peak of {model} is {format_bytes(region.prepared.unplanned_peak_bytes)}",
+              f"reaches; with nothing moved the step peaks at {format_bytes(unplanned)}"
+            + (f". {format_bytes(grads)} of that are gradients left from an earlier step: call "
+               f"optimizer.zero_grad(set_to_none=True) before the step, or budget for them" if grads else ""),
             min_budget_bytes=needed, budget_bytes=self.budget_bytes)
+
+    def _lingering_grad_bytes(self) -> int:
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return 0
+        return sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
 
 
 def _name(strategy: Any) -> str:
