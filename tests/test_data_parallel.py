@@ -111,3 +111,33 @@ def test_a_dead_rank_makes_the_others_fail_clearly_not_hang():
     assert procs[1].returncode == 3
     assert procs[0].returncode != 0, out0
     assert "ExchangeError" in err0 and "a rank died" in err0, err0[-3000:]
+
+
+BROADCAST_WORKER = textwrap.dedent("""
+    import datetime, os, sys
+    import torch, torch.distributed as dist
+    import karma_fx
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+    if dist.get_rank() == 1:
+        os._exit(3)  # dies before the initial weight broadcast
+    model = torch.nn.Linear(8, 8)
+    karma_fx.compile(model, budget=1.0, data_parallel=True)
+""")
+
+
+def test_a_rank_dying_before_the_weight_broadcast_is_a_typed_error():
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", BROADCAST_WORKER], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        _, err0 = procs[0].communicate(timeout=120)
+        procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 3 and procs[0].returncode != 0
+    assert "ExchangeError" in err0 and "initial broadcast" in err0, err0[-3000:]
