@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from karma_fx.backend import KarmaBackend, Region, Session
+from karma_fx.backend import KarmaBackend
+from karma_fx.session import Region, Session
 from karma_fx.config import KarmaConfig
 from karma_fx.device import DeviceSpec
 from karma_fx.errors import KarmaError, UnsupportedModelError
@@ -34,25 +35,6 @@ from karma_fx.strategies import Strategy
 
 log = logging.getLogger("karma_fx.compile")
 _OWN = ("_orig_mod", "_session", "_compiled", "pipeline")
-
-
-def boxed_graph(gm: fx.GraphModule) -> Any:
-    """The graph as a boxed function that clears its argument list on entry, so each input (a saved
-    activation in the backward) is freed after its last use rather than at the end of the graph. Without
-    this the backward holds every saved tensor to its end (measured: +32% peak on the tiny CNN)."""
-    from functorch.compile import make_boxed_func
-
-    codegen = getattr(fx.graph, "_BoxedCodeGen", None)
-    if codegen is None:  # older torch: correct, but inputs live until the graph returns
-        return make_boxed_func(gm.forward)
-    gm.graph.set_codegen(codegen())
-    gm.recompile()
-
-    def run(args: list) -> Any:
-        return gm(args)
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
 
 
 class KarmaModule(nn.Module):
