@@ -7,55 +7,30 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 from karma_fx.backend import regions
 from karma_fx.errors import InfeasibleBudgetError
-from karma_fx.measure_run import AllocatorPeak
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(64, 256)
-        self.down = nn.Linear(256, 64)
+def _bench():
+    import importlib.util
+    from pathlib import Path
 
-    def forward(self, x):
-        h = torch.tanh(self.up(x))
-        h = torch.tanh(torch.tanh(h * 1.5) * 0.5)  # tensors saved inside the region: the plan may move them
-        torch._dynamo.graph_break()  # as HF decoders with a break per layer
-        return x + self.down(torch.tanh(torch.tanh(h) * 0.5))
+    path = Path(__file__).resolve().parents[1] / "bench" / "graph_breaks.py"
+    spec = importlib.util.spec_from_file_location("graph_breaks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class Stack(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(n))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x.square().mean()
-
-
-def weights(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def measured_step(model, step, x) -> int:
-    for p in model.parameters():
-        p.grad = None
-    with AllocatorPeak(model.parameters(), x) as meter:
-        step(x).backward()
-    return meter.peak_bytes
+graph_breaks = _bench()
+Stack, weights, measured_step = graph_breaks.Stack, graph_breaks.weights_bytes, graph_breaks.measured_step
 
 
 def setup():
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(128, 64)
-    model(x).backward()
-    eager = measured_step(model, model, x)
-    return model, x, eager
+    return model, x, graph_breaks.eager_peak(model, x)
 
 
 def train(step, model, reference, x, steps=3):
