@@ -57,6 +57,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length, language models only "
                                                           "(default: the zoo's for this size)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers (transformers only)")
+    p.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default="fp32",
+                   help="training regime: fp32 (default); bf16-mixed (fp32 weights under bf16 autocast); "
+                        "bf16 (bf16 weights)")
     p.add_argument("--device", default="h100",
                    help=f"device preset whose costs and speeds are used (default h100): {', '.join(_device_names())}")
 
@@ -151,9 +154,11 @@ def _prepare(args: argparse.Namespace) -> Any:
     device = "meta" if args.size == "real" else "cpu"
     t0 = time.perf_counter()
     model, model_args, model_kwargs = build(args.model, args.size, batch=args.batch, seq=args.seq, device=device,
-                                            **overrides)
+                                            precision=args.precision, **overrides)
     build_s = time.perf_counter() - t0
     name = args.model if args.size == "real" else f"{args.model}-tiny"
+    if args.precision != "fp32":
+        name += f"-{args.precision}"
     prepared = karma_fx.prepare(model, model_args, model_kwargs, device=args.device, name=name)
     prepared.seconds.setdefault("build", build_s)
     return prepared

@@ -21,6 +21,10 @@ lists the ones it accepts in ``ZOO[name].overrides`` and rejects any other:
 - llama: layers, hidden, heads, kv_heads, intermediate, vocab, dropout
 
 ``transformers`` is imported only when gpt2, bert or llama is built.
+
+``precision`` is the regime the step trains in: ``"fp32"``; ``"bf16-mixed"`` (fp32 weights, the forward under
+``torch.autocast(dtype=torch.bfloat16)``, as mixed-precision training runs it: the module is wrapped in
+``Autocast``, so every door captures the autocast graph); ``"bf16"`` (bf16 weights and float inputs).
 """
 from __future__ import annotations
 
@@ -34,6 +38,26 @@ from karma_fx.zoo import megatron, resnet, vision
 from karma_fx.zoo._common import SIZES, Request, ZooError, check_overrides
 
 Builder = Callable[[Request], "tuple[nn.Module, tuple, dict]"]
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+
+
+class Autocast(nn.Module):
+    """``module`` run under ``torch.autocast(dtype=...)`` on the device its inputs live on (a meta model is
+    traced as if on the CPU): mixed-precision training as a module, so ``karma_fx.plan``, ``karma_fx.compile``
+    and ``torch.compile`` all capture the autocast graph (bf16 matmuls, fp32 reductions)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch.utils._pytree as pytree
+
+        devices = [t.device.type for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = devices[0] if devices and devices[0] not in ("meta",) else "cpu"
+        with torch.autocast(device_type=device, dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 def _hf(name: str) -> Builder:
@@ -78,10 +102,11 @@ class ZooModel:
         batch: int | None = None,
         seq: int | None = None,
         device: str | torch.device | None = None,
+        precision: str = "fp32",
         **overrides: Any,
     ) -> tuple[nn.Module, tuple, dict]:
         """Same as ``karma_fx.zoo.build(self.name, ...)``."""
-        return build(self.name, size, batch=batch, seq=seq, device=device, **overrides)
+        return build(self.name, size, batch=batch, seq=seq, device=device, precision=precision, **overrides)
 
 
 _VISION_COMMON = ("classes", "image")
@@ -129,6 +154,7 @@ def build(
     batch: int | None = None,
     seq: int | None = None,
     device: str | torch.device | None = None,
+    precision: str = "fp32",
     **overrides: Any,
 ) -> tuple[nn.Module, tuple, dict]:
     """Build zoo model ``name`` at ``size`` ("tiny" or "real") with example inputs: ``(module, args, kwargs)``.
@@ -138,7 +164,8 @@ def build(
     token ids and labels torch.long. ``torch.manual_seed(0)`` is called first, so two builds with the same
     arguments give identical weights and inputs (note: this reseeds the global RNG, on purpose, so that the
     first training step after a build is reproducible too). The module is returned in training mode.
-    ``seq`` is only valid for language models. See the module docstring for the accepted ``overrides``.
+    ``seq`` is only valid for language models. See the module docstring for the accepted ``overrides`` and
+    ``precision``.
     """
     entry = ZOO.get(name)
     if entry is None:
@@ -159,13 +186,28 @@ def build(
         if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
             raise ZooError(f"seq must be a positive int, got {seq!r}")
     check_overrides(name, overrides, entry.overrides)
+    if precision not in PRECISIONS:
+        raise ZooError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     dev = torch.device("cpu" if device is None else device)
     req = Request(size=size, batch=batch, seq=seq, device=dev, overrides=dict(overrides))
     torch.manual_seed(0)
     with torch.device(dev):
         module, args, kwargs = entry.builder(req)
+    if precision == "bf16":
+        module = module.to(torch.bfloat16)
+        args, kwargs = _to_bf16((args, kwargs))
+    elif precision == "bf16-mixed":
+        module = Autocast(module)
     module.train()
     return module, args, kwargs
+
+
+def _to_bf16(tree: Any) -> Any:
+    """Floating-point tensors in ``tree`` as bfloat16 (token ids and labels stay integers)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                           else t, tree)
 
 
 def output_to_loss(output: Any) -> torch.Tensor:
@@ -183,4 +225,4 @@ def output_to_loss(output: Any) -> torch.Tensor:
     raise ZooError(f"cannot reduce a {type(output).__name__} to a loss")
 
 
-__all__ = ["ZOO", "ZooError", "ZooModel", "build", "names", "output_to_loss"]
+__all__ = ["PRECISIONS", "ZOO", "Autocast", "ZooError", "ZooModel", "build", "names", "output_to_loss"]
