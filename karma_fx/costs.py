@@ -29,6 +29,9 @@ class Costs:
     h2d_bytes_per_us: float
     copy_latency_us: float
     device: str
+    allow_offload: bool = True
+    """False: no host link to use (recompute-only planning, Checkmate's problem). Every strategy then plans
+    keep / recompute only, and the lower bound (``strategies/bound.py``) leaves copies out of its relaxation."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_time_us", tuple(float(t) for t in self.op_time_us))
@@ -80,8 +83,10 @@ def op_time_us(flops: int, bytes_accessed: int, dtype: str, device: DeviceSpec) 
     return device.kernel_overhead_us + 1e6 * max(compute_s, memory_s)
 
 
-def estimate_costs(problem: Problem, device: Union[DeviceSpec, str, None] = None) -> Costs:
-    """Costs of ``problem`` on ``device`` (a preset name, a ``DeviceSpec``, or ``None`` for the default h100)."""
+def estimate_costs(problem: Problem, device: Union[DeviceSpec, str, None] = None, *,
+                   allow_offload: bool = True) -> Costs:
+    """Costs of ``problem`` on ``device`` (a preset name, a ``DeviceSpec``, or ``None`` for the default h100);
+    ``allow_offload=False`` plans as if the device had no host link (recompute only)."""
     spec = get_device(device)
     times = tuple(op_time_us(op.flops, op.bytes_accessed, op.dtype, spec) for op in problem.ops)
     return Costs(
@@ -90,4 +95,5 @@ def estimate_costs(problem: Problem, device: Union[DeviceSpec, str, None] = None
         h2d_bytes_per_us=spec.h2d_bytes_per_s / 1e6,
         copy_latency_us=spec.copy_latency_us,
         device=spec.name,
+        allow_offload=allow_offload,
     )

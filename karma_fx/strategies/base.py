@@ -195,10 +195,28 @@ def leanest_swaps(problem: Problem) -> tuple[Offload, ...]:
     return tuple(offload_for(problem, g, release=True) for g in saved_gaps(problem))
 
 
+def leanest_recomputes(problem: Problem) -> tuple[Decision, ...]:
+    """The leanest plan without a host link: every recomputable saved activation dropped after its last
+    forward read and rebuilt, grouped by the backward op that first needs it (what is rebuilt for one group
+    stays until its last read)."""
+    from karma_fx.strategies.torch_budget import decisions_for_saved
+
+    return reconcile(problem, decisions_for_saved(problem, frozenset(), RecomputeBuilder(problem)))
+
+
+def leanest_moves(problem: Problem, costs: Costs) -> tuple[Decision, ...]:
+    """``leanest_swaps`` where the costs allow offloading, ``leanest_recomputes`` where they do not."""
+    return leanest_swaps(problem) if costs.allow_offload else leanest_recomputes(problem)
+
+
 def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> tuple[Decision, ...]:
     """The decisions of the leanest plan known: every saved activation swapped out synchronously right after
     its last forward read and fetched back just in time (``leanest_swaps``), or nothing where that peaks
-    higher; with ``stream_weights`` also every weight streamed and every gradient sent to the host."""
+    higher; with ``stream_weights`` also every weight streamed and every gradient sent to the host. Without a
+    host link (``costs.allow_offload`` false): every recomputable saved activation rebuilt, or nothing."""
+    if not costs.allow_offload:
+        options_ro: list[tuple[Decision, ...]] = [leanest_recomputes(problem), ()]
+        return min(options_ro, key=lambda d: timeline_of(problem, costs, d).peak_bytes)
     swaps = leanest_swaps(problem)
     if stream_weights:
         from karma_fx.strategies.weights import weight_streams

@@ -20,7 +20,9 @@ The relaxation, for every saved activation ``s`` (all of them, however small):
 
 Checking memory and time at a subset of ops only drops constraints, so the bound stays valid; the subset is
 what keeps the LP small on graphs of tens of thousands of ops. Plans that stream weights move other bytes and
-are not covered.
+are not covered. Without a host link (``costs.allow_offload`` false) every ``x`` and every temporary's "sent to
+the host" share is fixed to 0: the bound is then one on recompute-only plans, tighter than the general one
+and still proven (it relaxes only what a recompute-only plan can do).
 """
 from __future__ import annotations
 
@@ -93,6 +95,8 @@ def lower_bound_us(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     for g in sorted(gaps, key=lambda g: (g.first_bwd_use, g.storage.name)):
         size = g.storage.size_bytes
         x = var01()
+        if not costs.allow_offload:
+            lp.Add(x == 0)
         copies_out.append(costs.copy_time_us(size, "d2h") * x)
         copies_in.append(costs.copy_time_us(size, "h2d") * x)
         inside = [i for i in checked if g.last_fwd_use < i < g.first_bwd_use]
@@ -186,6 +190,8 @@ def _needs_inputs(problem: Problem, costs: Costs, lp, var01, op: int, wanted, at
             continue
         if name not in temps:
             rebuilt, alive, hosted = var01(), var01(), var01()
+            if not costs.allow_offload:
+                lp.Add(hosted == 0)
             temps[name] = rebuilt + alive + hosted
             last = max(st.users, default=st.producer)
             for i in checked:

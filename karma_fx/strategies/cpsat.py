@@ -6,6 +6,9 @@ It is never worse than the heuristics: every heuristic plan that fits is simulat
 fallback, and the solver's plan is kept only if the simulator confirms it is at least as fast. The status
 says which won: OPTIMAL / FEASIBLE (solver, with its bound) or FALLBACK:<strategy>.
 
+Without a host link (``costs.allow_offload`` false) the fallbacks, the models and the bound only keep or
+recompute: this is then Checkmate's problem (rematerialization under a memory budget).
+
 ``CpSat(time_limit_s=...)`` bounds the whole call by the wall clock (``karma_fx.progress.deadline``): the lower
 bound, each heuristic, each solver model and each window starts only while time is left, every solve is cut to
 the time left, and the best plan so far is returned, noting that the limit stopped it. Until some heuristic
@@ -23,7 +26,7 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import paused_gc
-from karma_fx.strategies.base import Strategy, leanest_swaps, timeline_of
+from karma_fx.strategies.base import Strategy, leanest_moves, timeline_of
 from karma_fx.strategies.bound import lower_bound_us
 from karma_fx.strategies.cpsat_capacity import solve_capacity
 from karma_fx.strategies.cpsat_window import refine_in_windows
@@ -93,7 +96,8 @@ class Model:
         horizon = sum(dur) + 2 * sum(d2h.values()) + 2 * sum(h2d.values()) \
             + sum(_t(chain_time(costs, c)) for c in cands) + 1
 
-        dv = self.dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit)
+        dv = self.dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit,
+                                                allow_offload=costs.allow_offload)
         self.all_vars.extend(dv.created)
         self.keep, self.rec, self.off, self.rel, self.pre = dv.keep, dv.rec, dv.off, dv.rel, dv.pre
 
@@ -187,8 +191,10 @@ class Model:
                 solver.ObjectiveValue() / TIME_SCALE, solver.BestObjectiveBound() / TIME_SCALE)
 
 
-def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan) -> dict[str, Choice]:
-    """A heuristic plan in the model's terms (nearest release / prefetch options), to start the search from."""
+def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *,
+                      allow_offload: bool = True) -> dict[str, Choice]:
+    """A heuristic plan in the model's terms (nearest release / prefetch options), to start the search from.
+    A recompute whose chain reads a moved candidate becomes an offload, or (``allow_offload`` false) a keep."""
     from karma_fx.plan import Offload, Recompute
 
     idx = problem.op_index
@@ -207,12 +213,15 @@ def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan) -> d
     for name, choice in list(out.items()):  # a chain may only read kept candidates
         c = next(x for x in cands if x.name == name)
         if choice[0] == "recompute" and any(out.get(t, ("keep",))[0] != "keep" for t in c.needs_kept):
-            out[name] = ("offload", c.releases[0], c.first_bwd)
+            out[name] = ("offload", c.releases[0], c.first_bwd) if allow_offload else ("keep",)
     return out
 
 
-def leanest_choices(cands: list[Candidate]) -> dict[str, Choice]:
-    """Everything swapped out synchronously and fetched just in time: the lowest peak the model can reach."""
+def leanest_choices(cands: list[Candidate], allow_offload: bool = True) -> dict[str, Choice]:
+    """Everything swapped out synchronously and fetched just in time: the lowest peak the model can reach.
+    Without offloading: every candidate with a chain recomputed (a start only; it may break a chain's reads)."""
+    if not allow_offload:
+        return {c.name: ("recompute",) for c in cands if c.chain is not None}
     return {c.name: ("offload", c.releases[0], c.first_bwd) for c in cands}
 
 
@@ -255,7 +264,7 @@ class CpSat:
             progress.report("lower bound", strategy=self.name)
             proven = lower_bound_us(problem, costs, budget_bytes, base)
             if proven is None:
-                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_swaps(problem),
+                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_moves(problem, costs),
                             status="INFEASIBLE", notes=(
                                 "no plan can fit this budget: a relaxed model of every possible plan (a linear "
                                 "program) proves it; the plan with the lowest peak is returned",))
@@ -295,7 +304,7 @@ class CpSat:
         if cands and not out_of_time():
             best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, proven, notes, say)
         if best is None:  # nothing fits: hand back the leanest plan, so the caller sees the lowest peak
-            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_swaps(problem),
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_moves(problem, costs),
                         status="INFEASIBLE", lower_bound_us=proven,
                         notes=tuple(notes) + ("no plan found fits: the plan with the lowest peak is returned",)
                         + tuple(stopped))
@@ -336,8 +345,8 @@ class CpSat:
             return best
         say("solver, exact pass", self.name)
         model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes)
-        starts = [leanest_choices(cands)] + ([phase1[0]] if phase1 else []) \
-            + ([choices_from_plan(problem, cands, best[1])] if best else [])
+        starts = [leanest_choices(cands, costs.allow_offload)] + ([phase1[0]] if phase1 else []) \
+            + ([choices_from_plan(problem, cands, best[1], allow_offload=costs.allow_offload)] if best else [])
         hint, hint_time = None, math.inf
         for choices in starts:
             if progress.past_deadline():

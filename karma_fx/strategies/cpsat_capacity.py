@@ -36,7 +36,8 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     n, nf = len(problem.ops), problem.num_fwd_ops
     m = cp_model.CpModel()
     t = lambda us: int(round(us * TIME_SCALE))  # noqa: E731
-    dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit)
+    dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit,
+                                  allow_offload=costs.allow_offload)
     rec, rel, pre = dv.rec, dv.rel, dv.pre
 
     # Time at sync points: compute prefix + recomputes before it + cumulative stall.

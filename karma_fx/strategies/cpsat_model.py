@@ -148,10 +148,11 @@ class DecisionVars:
 
 
 def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_bytes, budget_bytes: int,
-                             unit: int = MEMORY_UNIT) -> DecisionVars:
+                             unit: int = MEMORY_UNIT, *, allow_offload: bool = True) -> DecisionVars:
     """Decision literals (keep / offload at (release, prefetch) / recompute) and the memory constraint at
     every op, by incremental sums in ``unit``-byte units (savings rounded down, usage up: at 1 MiB units a
-    plan at 99.9% of the budget could be rejected, at 64 KiB it is not)."""
+    plan at 99.9% of the budget could be rejected, at 64 KiB it is not). ``allow_offload=False`` fixes every
+    offload literal to 0 (no host link: keep or recompute only)."""
     created: list = []
 
     def bool_var():
@@ -170,6 +171,8 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
             dv.rec[c.name] = bool_var()
             parts.append(dv.rec[c.name])
         m.AddExactlyOne(parts)
+        if not allow_offload:
+            m.Add(dv.off[c.name] == 0)
         m.Add(sum(dv.rel[c.name].values()) == dv.off[c.name])
         m.Add(sum(dv.pre[c.name].values()) == dv.off[c.name])
         m.Add(sum(r * v for r, v in dv.rel[c.name].items()) <= sum(p * v for p, v in dv.pre[c.name].items()))

@@ -17,6 +17,9 @@ from, and what recomputing costs varies a hundredfold between a matmul output an
 Under a time limit (``Greedy(time_limit_s=...)``, or the deadline of a cpsat call running it as a fallback,
 ``karma_fx.progress``) no new probe starts once it has passed, and the best plan so far is returned; the first
 probe always runs, so there is always a plan.
+
+Without a host link (``costs.allow_offload`` false) nothing is swapped: one quota (zero), and the orders only
+recompute.
 """
 from __future__ import annotations
 
@@ -85,7 +88,8 @@ class Greedy:
             return float("inf") if chain is None else chain[0] / g.storage.size_bytes * 1e6
 
         # Long-gap, dear tensors first; a tensor whose gap cannot hide its two copies is never swapped.
-        swappable = [g for g in gaps if g.storage.size_bytes >= costs.copy_latency_us * costs.d2h_bytes_per_us
+        swappable = [g for g in gaps if costs.allow_offload
+                     and g.storage.size_bytes >= costs.copy_latency_us * costs.d2h_bytes_per_us
                      and start[g.first_bwd_use] - start[g.storage.producer + 1]
                      >= 2 * (costs.copy_time_us(g.storage.size_bytes, "d2h") + costs.copy_time_us(g.storage.size_bytes, "h2d"))]
         swappable.sort(key=lambda g: (-dearness(g), g.storage.producer, g.storage.name))
@@ -100,7 +104,7 @@ class Greedy:
         boundaries = {s for last in last_ops for s in problem.ops[last].outputs}
         large = len(problem.ops) > LARGE_OPS
         stopped = False
-        for quota in QUOTAS_LARGE if large else QUOTAS:
+        for quota in (QUOTAS_LARGE if large else QUOTAS) if costs.allow_offload else (0.0,):
             if stopped:
                 break
             if large and best is not None and quota_best is not None and quota_best > STOP_RATIO * best[0][1]:
@@ -123,7 +127,8 @@ class Greedy:
                                 slowdown=best[0][1] / keep.makespan_us if best and keep.makespan_us else None,
                                 peak_bytes=judged[best[1]].peak_bytes if best else None)
                 chosen = away | {g.storage.name for g in recomputed}
-                pool = [(g, "recompute") for g in recomputed] + [(g, "swap") for g in gaps if g.storage.name not in chosen]
+                pool = [(g, "recompute") for g in recomputed] \
+                    + [(g, "swap") for g in gaps if g.storage.name not in chosen and costs.allow_offload]
                 found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, pool, start,
                                   f"quota {quota:g}: {len(swapped)} swapped, {order} order", judged)
                 fits, key, decisions, label = found

@@ -4,7 +4,8 @@ Layers are grouped into blocks. Walking the blocks from the first (whose activat
 backward), each block is evicted until the step fits the budget: by *swapping* (offload after the forward,
 prefetch while the backward of the next block runs) when the concurrency model says the copies hide behind
 that compute, and by *recomputing* it from its input otherwise. A few block granularities are tried and the
-fastest fitting plan is kept.
+fastest fitting plan is kept. Without a host link (``costs.allow_offload`` false) every block is recomputed
+and what cannot be rebuilt (a random op's output, the block's boundary) stays on the device.
 """
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ class Karma:
                             and g.storage.name not in boundary]
             # KARMA's swap-out of block b overlaps block b+1's forward and must be done when b+2 starts.
             release = blocks[b + 2][0] if b + 2 < len(blocks) else problem.num_fwd_ops
-            if swap_hidden or not recomputable:
+            if not costs.allow_offload:  # recompute only: what cannot be rebuilt stays
+                choices.append(("recompute", [builder.group(recomputable, {g.storage.name for g in recomputable})])
+                               if recomputable else ("none", []))
+            elif swap_hidden or not recomputable:
                 choices.append(("swap", [offload_for(problem, g, prefetch_at=nxt, release=release) for g in gs]))
             else:
                 rest = [g for g in gs if g not in recomputable]

@@ -3,7 +3,8 @@
 
 Each saved activation is copied to the host as soon as it is produced, dropped after its last forward read,
 and copied back when the backward reaches the block after it (in backward order), one block ahead of need.
-The strategy does not look at the budget: it is the all-offload baseline.
+The strategy does not look at the budget: it is the all-offload baseline. Without a host link
+(``costs.allow_offload`` false) it moves nothing.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ class OffloadAll:
         self.blocks = blocks
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
+        if not costs.allow_offload:
+            return Plan(strategy=self.name, budget_bytes=budget_bytes,
+                        notes=("no host link (recompute only): nothing can be offloaded",))
         blocks = blocks_from_cuts(problem, self.blocks)
         gaps = saved_gaps(problem)
         # When the backward first needs something of each block: that is where the previous block's
