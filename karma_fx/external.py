@@ -1,0 +1,343 @@
+"""Anyone's graphs: read a training graph written as networkx node-link JSON, plan it, or generate one.
+
+The format is the one rematerialization planners exchange (Checkmate, Moccasin): a JSON object with
+
+* ``nodes``: objects with an ``id``, ``cost_cpu`` (the node's compute time, in time units), ``cost_ram`` (the
+  bytes of the node's output), ``backward`` (true for nodes of the backward pass) and ``name``;
+* ``links`` (or ``edges``, as newer networkx writes it): objects with ``source`` and ``target`` ids, each a
+  data dependency (the target reads the source's output);
+* ``graph``: optional attributes. ``order`` lists the node ids in execution order; without it the ids are the
+  execution order (integers ascending, or the order of ``nodes`` for other ids). ``cpu_tag`` and ``ram_tag``
+  name the node keys holding the time and the size, for graphs that use other names; without them
+  ``cost_cpu`` / ``cost_ram`` are read, or ``duration`` / ``out_cost`` when no node has the former. A graph
+  whose nodes carry no ``backward`` flag at all is read as forward only (nothing then can be moved).
+
+Mapping (``read_node_link``): node ``k`` in execution order is op ``k``, producing one storage of ``cost_ram``
+bytes named like the op (the node's ``name``; ``name#id`` where names repeat); forward nodes must all come
+before backward ones. A storage is an ``activation`` when a forward node makes it and a backward node reads
+it (the candidates to recompute or offload), a ``temp`` otherwise; a storage no node reads (the last node's,
+the gradients the step returns) is an output and lives to the end. The op's time is ``cost_cpu`` read as µs.
+
+The memory model the simulator then applies: a node's output is allocated when the node runs and freed after
+its last reader has run; while a node runs, its inputs and its output are all on the device; outputs stay
+to the end. The budget bounds the sum of live outputs at every node.
+
+Recompute only (``allow_offload=False``, the default here) is Checkmate's problem: the host link is ignored,
+and every strategy only keeps or recomputes.
+
+Example::
+
+    prepared = prepare_graph("graph.json")                      # recompute only
+    planned = prepared.plan(0.8, "cpsat", time_limit_s=10)
+    print(planned.plan.table())
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Union
+
+from karma_fx.costs import Costs
+from karma_fx.errors import KarmaError
+from karma_fx.problem import Op, Problem, Storage
+
+if TYPE_CHECKING:
+    from karma_fx.api import Prepared
+    from karma_fx.device import DeviceSpec
+
+__all__ = ["GraphFormatError", "ExternalGraph", "read_node_link", "graph_costs", "prepare_graph",
+           "random_layered_graph"]
+
+CPU_TAGS = ("cost_cpu", "duration")
+RAM_TAGS = ("cost_ram", "out_cost")
+
+
+class GraphFormatError(KarmaError, ValueError):
+    """A node-link graph could not be read: a missing field, a bad value, a cycle, ids out of order."""
+
+
+@dataclass(frozen=True)
+class ExternalGraph:
+    """A node-link graph as the planner sees it: the problem, each op's time (µs) and its node id."""
+
+    problem: Problem
+    op_time_us: tuple[float, ...]
+    node_ids: tuple[Any, ...]
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+def _load(source: Union[str, Path, Mapping[str, Any]]) -> tuple[Mapping[str, Any], str]:
+    if isinstance(source, Mapping):
+        return source, "graph"
+    if not isinstance(source, (str, Path)):
+        raise GraphFormatError(f"a node-link graph is a dict or a path to a JSON file, got {type(source).__name__}")
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise GraphFormatError(f"cannot read graph file {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GraphFormatError(f"graph file {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(data, Mapping):
+        raise GraphFormatError(f"graph file {path} holds a JSON {type(data).__name__}, not a node-link object")
+    return data, path.stem
+
+
+def _number(node: Mapping[str, Any], key: str, what: str, node_id: Any) -> float:
+    if key not in node:
+        raise GraphFormatError(f"node {node_id!r} has no {key!r} ({what})")
+    value = node[key]
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise GraphFormatError(f"node {node_id!r}: {key} must be a finite number, got {value!r}")
+    if value < 0:
+        raise GraphFormatError(f"node {node_id!r}: {key} must not be negative, got {value!r}")
+    return float(value)
+
+
+def _tag(graph_attrs: Mapping[str, Any], nodes: list, attr: str, defaults: tuple[str, str]) -> str:
+    if attr in graph_attrs:
+        tag = graph_attrs[attr]
+        if not isinstance(tag, str):
+            raise GraphFormatError(f"graph attribute {attr} must name a node key, got {tag!r}")
+        return tag
+    first, second = defaults
+    return first if any(first in n for n in nodes) or not any(second in n for n in nodes) else second
+
+
+def _find_cycle(ids: list, succ: dict) -> list | None:
+    """A cycle among the nodes (as a list of ids), or None: Kahn's algorithm, then a walk inside what is left."""
+    indegree = {v: 0 for v in ids}
+    for v in ids:
+        for w in succ[v]:
+            indegree[w] += 1
+    ready = [v for v in ids if indegree[v] == 0]
+    while ready:
+        v = ready.pop()
+        for w in succ[v]:
+            indegree[w] -= 1
+            if indegree[w] == 0:
+                ready.append(w)
+    left = {v for v in ids if indegree[v] > 0}
+    if not left:
+        return None
+    v, path, seen = next(iter(left)), [], {}
+    while v not in seen:  # every node left has a successor left: walk until a node repeats
+        seen[v] = len(path)
+        path.append(v)
+        v = next(w for w in succ[v] if w in left)
+    return path[seen[v]:] + [v]
+
+
+def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | None = None) -> ExternalGraph:
+    """Read a node-link training graph (a dict, or a path to its JSON file) into an ``ExternalGraph``.
+
+    Raises ``GraphFormatError`` naming the first problem: a missing field, a negative or non-numeric cost,
+    an unknown or repeated id, a cycle, a link from a later node to an earlier one (ids not in execution
+    order), a forward node after a backward one."""
+    data, stem = _load(source)
+    nodes = data.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise GraphFormatError("a node-link graph needs a non-empty 'nodes' list")
+    links = data.get("links", data.get("edges"))
+    if links is None:
+        raise GraphFormatError("a node-link graph needs a 'links' list (or 'edges'), even an empty one")
+    if not isinstance(links, list):
+        raise GraphFormatError(f"'links' must be a list, got {type(links).__name__}")
+    attrs = data.get("graph") or {}
+    if not isinstance(attrs, Mapping):
+        raise GraphFormatError(f"'graph' attributes must be an object, got {type(attrs).__name__}")
+    for k, node in enumerate(nodes):
+        if not isinstance(node, Mapping):
+            raise GraphFormatError(f"nodes[{k}] must be an object, got {type(node).__name__}")
+        if "id" not in node:
+            raise GraphFormatError(f"nodes[{k}] has no 'id'")
+    cpu_tag = _tag(attrs, nodes, "cpu_tag", CPU_TAGS)
+    ram_tag = _tag(attrs, nodes, "ram_tag", RAM_TAGS)
+    by_id: dict[Any, Mapping[str, Any]] = {}
+    for node in nodes:
+        node_id = node["id"]
+        if not isinstance(node_id, (str, int)) or isinstance(node_id, bool):
+            raise GraphFormatError(f"node ids must be integers or strings, got {node_id!r}")
+        if node_id in by_id:
+            raise GraphFormatError(f"node id {node_id!r} appears twice")
+        by_id[node_id] = node
+    flagged = [n for n in nodes if "backward" in n]
+    if flagged and len(flagged) < len(nodes):
+        missing = next(n["id"] for n in nodes if "backward" not in n)
+        raise GraphFormatError(f"node {missing!r} has no 'backward' flag (other nodes have one)")
+    for n in flagged:
+        if not isinstance(n["backward"], bool):
+            raise GraphFormatError(f"node {n['id']!r}: backward must be true or false, got {n['backward']!r}")
+
+    # Execution order.
+    if "order" in attrs:
+        order = attrs["order"]
+        if not isinstance(order, list) or sorted(map(repr, order)) != sorted(map(repr, by_id)):
+            raise GraphFormatError("graph attribute 'order' must list every node id exactly once")
+    elif all(isinstance(i, int) for i in by_id):
+        order = sorted(by_id)
+    else:
+        order = [n["id"] for n in nodes]
+    position = {node_id: k for k, node_id in enumerate(order)}
+
+    succ: dict[Any, list] = {i: [] for i in by_id}
+    pred: dict[Any, list] = {i: [] for i in by_id}
+    for k, link in enumerate(links):
+        if not isinstance(link, Mapping) or "source" not in link or "target" not in link:
+            raise GraphFormatError(f"links[{k}] needs a 'source' and a 'target'")
+        s, t = link["source"], link["target"]
+        for end in (s, t):
+            if not isinstance(end, (str, int)) or isinstance(end, bool) or end not in by_id:
+                raise GraphFormatError(f"links[{k}] refers to unknown node {end!r}")
+        if t not in succ[s]:
+            succ[s].append(t)
+            pred[t].append(s)
+    cycle = _find_cycle(order, succ)
+    if cycle is not None:
+        raise GraphFormatError(f"the graph has a cycle: {' -> '.join(map(repr, cycle))}")
+    for s in order:
+        for t in succ[s]:
+            if position[t] < position[s]:
+                raise GraphFormatError(f"link {s!r} -> {t!r} goes from a later node to an earlier one: node ids "
+                                       "must be in execution order (or give the graph an 'order' attribute)")
+    backward = [bool(by_id[i].get("backward", False)) for i in order]
+    if any(b and not later for b, later in zip(backward, backward[1:])):
+        k = next(k for k in range(len(order) - 1) if backward[k] and not backward[k + 1])
+        raise GraphFormatError(f"forward node {order[k + 1]!r} runs after backward node {order[k]!r}: every forward "
+                               "node must come before the backward ones")
+
+    # Names: the node's name, made unique with its id where names repeat.
+    raw = [str(by_id[i].get("name", i)) for i in order]
+    counts: dict[str, int] = {}
+    for r in raw:
+        counts[r] = counts.get(r, 0) + 1
+    names = [r if counts[r] == 1 else f"{r}#{i}" for r, i in zip(raw, order)]
+    if len(set(names)) != len(names):
+        names = [f"{r}#{i}" for r, i in zip(raw, order)]
+
+    times = tuple(_number(by_id[i], cpu_tag, "its compute time", i) for i in order)
+    sizes = [_number(by_id[i], ram_tag, "the bytes of its output", i) for i in order]
+    num_fwd = sum(1 for b in backward if not b)
+    ops, storages = [], []
+    for k, node_id in enumerate(order):
+        inputs = tuple(names[j] for j in sorted(position[p] for p in pred[node_id]))
+        ops.append(Op(name=names[k], target=str(by_id[node_id].get("name", "node")),
+                      phase="bwd" if backward[k] else "fwd", inputs=inputs, outputs=(names[k],)))
+    for k, node_id in enumerate(order):
+        users = tuple(sorted(position[t] for t in succ[node_id]))
+        saved = k < num_fwd and any(u >= num_fwd for u in users)
+        storages.append(Storage(name=names[k], size_bytes=int(round(sizes[k])), kind="activation" if saved else "temp",
+                                producer=k, users=users, is_output=not users))
+    label = name or str(attrs.get("name") or stem)
+    problem = Problem(ops=tuple(ops), storages=tuple(storages), num_fwd_ops=num_fwd,
+                      cut_points=_cut_points(ops, num_fwd), name=label)
+    return ExternalGraph(problem=problem, op_time_us=times, node_ids=tuple(order))
+
+
+def _cut_points(ops: list[Op], num_fwd: int) -> tuple[int, ...]:
+    """Forward ops ``c`` after which no later forward op reads an output made before ``c``."""
+    producer = {op.outputs[0]: k for k, op in enumerate(ops[:num_fwd])}
+    earliest = [min((producer[s] for s in op.inputs if s in producer), default=k) for k, op in enumerate(ops[:num_fwd])]
+    cuts, suffix_min = [], num_fwd
+    for c in range(num_fwd - 1, -1, -1):
+        if suffix_min >= c:
+            cuts.append(c)
+        suffix_min = min(suffix_min, earliest[c])
+    return tuple(sorted(cuts))
+
+
+# ---- costs and planning -----------------------------------------------------------------------------------
+def graph_costs(graph: ExternalGraph, device: "DeviceSpec | str | None" = None, *,
+                allow_offload: bool = False) -> Costs:
+    """The graph's own node times as op times (µs), with ``device``'s host link (default h100) for copies;
+    ``allow_offload=False`` (the default) plans recompute only, so the link is never used."""
+    from karma_fx.device import get_device
+
+    try:
+        spec = get_device(device)
+    except ValueError as exc:
+        raise KarmaError(str(exc)) from None
+    return Costs(op_time_us=graph.op_time_us, d2h_bytes_per_us=spec.d2h_bytes_per_s / 1e6,
+                 h2d_bytes_per_us=spec.h2d_bytes_per_s / 1e6, copy_latency_us=spec.copy_latency_us,
+                 device=spec.name if allow_offload else f"{spec.name}, recompute only", allow_offload=allow_offload)
+
+
+def prepare_graph(source: Union[str, Path, Mapping[str, Any], ExternalGraph], *,
+                  device: "DeviceSpec | str | None" = None, allow_offload: bool = False,
+                  name: str | None = None) -> "Prepared":
+    """A node-link graph ready to plan at any budget with any strategy (``Prepared.plan``); budgets that are
+    fractions are of the graph's unplanned peak."""
+    from karma_fx.api import Prepared
+    from karma_fx.simulate import simulate
+
+    graph = source if isinstance(source, ExternalGraph) else read_node_link(source, name=name)
+    costs = graph_costs(graph, device, allow_offload=allow_offload)
+    return Prepared(problem=graph.problem, costs=costs, keep=simulate(graph.problem, (), costs))
+
+
+# ---- random layered graphs --------------------------------------------------------------------------------
+def random_layered_graph(n_nodes: int, seed: int, *, max_width: int = 4, edge_prob: float = 0.15,
+                         max_skip: int = 2, time_range: tuple[int, int] = (1, 100),
+                         size_range_mib: tuple[int, int] = (1, 64), backward_time_factor: float = 2.0
+                         ) -> dict[str, Any]:
+    """A random layered training graph of about ``n_nodes`` nodes as a node-link dict (the format
+    ``read_node_link`` reads), the same for the same arguments.
+
+    Forward: ``n_nodes // 2`` nodes in layers of random width (1 to ``max_width``) ending in one loss node;
+    each node reads one random node of the layer before, and each node of the ``max_skip`` layers before
+    with probability ``edge_prob / distance``; every node is read by the next layer. Times are random
+    integers in ``time_range``, sizes random whole MiB in ``size_range_mib``. Backward: a mirror, one node
+    per forward node in reverse order, reading that node, its forward inputs and the backward nodes of its
+    readers (as a gradient does); it takes ``backward_time_factor`` times as long and is as large."""
+    if not isinstance(n_nodes, int) or n_nodes < 4:
+        raise KarmaError(f"n_nodes must be an integer of at least 4, got {n_nodes!r}")
+    if max_width < 1 or max_skip < 1 or not 0 <= edge_prob <= 1:
+        raise KarmaError("max_width and max_skip must be at least 1 and edge_prob in [0, 1]")
+    rng = random.Random(seed)
+    n_fwd = n_nodes // 2
+    layers: list[list[int]] = []
+    left, nxt = n_fwd - 1, 0
+    while left > 0:
+        width = rng.randint(1, min(max_width, left))
+        layers.append(list(range(nxt, nxt + width)))
+        nxt += width
+        left -= width
+    layers.append([nxt])  # the loss
+    preds: dict[int, set[int]] = {v: set() for v in range(n_fwd)}
+    for depth in range(1, len(layers)):
+        for v in layers[depth]:
+            preds[v].add(rng.choice(layers[depth - 1]))
+            for back in range(1, min(max_skip, depth) + 1):
+                for u in layers[depth - back]:
+                    if rng.random() < edge_prob / back:
+                        preds[v].add(u)
+        readers = {u for v in layers[depth] for u in preds[v]}
+        for u in layers[depth - 1]:
+            if u not in readers:
+                preds[rng.choice(layers[depth])].add(u)
+    times = [rng.randint(*time_range) for _ in range(n_fwd)]
+    sizes = [rng.randint(*size_range_mib) * 2 ** 20 for _ in range(n_fwd)]
+    succs: dict[int, set[int]] = {v: set() for v in range(n_fwd)}
+    for v, ps in preds.items():
+        for u in ps:
+            succs[u].add(v)
+
+    def bwd(v: int) -> int:
+        return n_fwd + (n_fwd - 1 - v)
+
+    nodes = [{"id": v, "name": f"f{v}", "cost_cpu": times[v], "cost_ram": sizes[v], "backward": False}
+             for v in range(n_fwd)]
+    nodes += [{"id": bwd(v), "name": f"b{v}", "cost_cpu": round(backward_time_factor * times[v], 3),
+               "cost_ram": sizes[v], "backward": True} for v in reversed(range(n_fwd))]
+    links = [(u, v) for v in range(n_fwd) for u in sorted(preds[v])]
+    for v in reversed(range(n_fwd)):
+        links += [(v, bwd(v))] + [(u, bwd(v)) for u in sorted(preds[v])] + [(bwd(w), bwd(v)) for w in sorted(succs[v])]
+    return {"directed": True, "multigraph": False,
+            "graph": {"name": f"layered-{2 * n_fwd}-s{seed}", "seed": seed},
+            "nodes": nodes, "links": [{"source": s, "target": t} for s, t in links]}
