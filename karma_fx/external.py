@@ -123,15 +123,20 @@ def _find_cycle(ids: list, succ: dict) -> list | None:
             indegree[w] -= 1
             if indegree[w] == 0:
                 ready.append(w)
-    left = {v for v in ids if indegree[v] > 0}
+    left = [v for v in ids if indegree[v] > 0]
     if not left:
         return None
-    v, path, seen = next(iter(left)), [], {}
-    while v not in seen:  # every node left has a successor left: walk until a node repeats
+    pred: dict = {v: [] for v in left}
+    for v in left:
+        for w in succ[v]:
+            if w in pred:
+                pred[w].append(v)
+    v, path, seen = left[0], [], {}
+    while v not in seen:  # every node left has a predecessor left: walk back until a node repeats
         seen[v] = len(path)
         path.append(v)
-        v = next(w for w in succ[v] if w in left)
-    return path[seen[v]:] + [v]
+        v = pred[v][0]
+    return (path[seen[v]:] + [v])[::-1]
 
 
 def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | None = None) -> ExternalGraph:

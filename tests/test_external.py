@@ -1,0 +1,153 @@
+"""External node-link graphs: reading (exact problem, typed format errors), recompute-only planning, the
+random layered generator."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from karma_fx.errors import KarmaError
+from karma_fx.external import (GraphFormatError, graph_costs, prepare_graph, random_layered_graph,
+                               read_node_link)
+from karma_fx.plan import Offload, Recompute
+from karma_fx.problem import Op, Problem, Storage, from_node_link
+from karma_fx.simulate import simulate
+from karma_fx.strategies import HEURISTICS, make_strategy
+from karma_fx.strategies.bound import lower_bound_us
+
+# x -> h -> loss (forward); g_loss reads loss and h; g_h reads g_loss and x.
+FIVE = {
+    "directed": True, "multigraph": False, "graph": {"name": "five"},
+    "nodes": [
+        {"id": 0, "name": "x", "cost_cpu": 1, "cost_ram": 100, "backward": False},
+        {"id": 1, "name": "h", "cost_cpu": 2, "cost_ram": 200, "backward": False},
+        {"id": 2, "name": "loss", "cost_cpu": 3, "cost_ram": 4, "backward": False},
+        {"id": 3, "name": "g_loss", "cost_cpu": 4, "cost_ram": 200, "backward": True},
+        {"id": 4, "name": "g_h", "cost_cpu": 5.5, "cost_ram": 100, "backward": True},
+    ],
+    "links": [{"source": 0, "target": 1}, {"source": 1, "target": 2}, {"source": 2, "target": 3},
+              {"source": 1, "target": 3}, {"source": 3, "target": 4}, {"source": 0, "target": 4}],
+}
+
+
+def test_five_node_graph_reads_into_the_exact_problem(tmp_path):
+    expected = Problem(
+        ops=(Op("x", "x", "fwd", (), ("x",)),
+             Op("h", "h", "fwd", ("x",), ("h",)),
+             Op("loss", "loss", "fwd", ("h",), ("loss",)),
+             Op("g_loss", "g_loss", "bwd", ("h", "loss"), ("g_loss",)),
+             Op("g_h", "g_h", "bwd", ("x", "g_loss"), ("g_h",))),
+        storages=(Storage("x", 100, "activation", 0, (1, 4)),
+                  Storage("h", 200, "activation", 1, (2, 3)),
+                  Storage("loss", 4, "activation", 2, (3,)),
+                  Storage("g_loss", 200, "temp", 3, (4,)),
+                  Storage("g_h", 100, "temp", 4, (), is_output=True)),
+        num_fwd_ops=3, cut_points=(0, 1, 2), name="five")
+    path = tmp_path / "five.json"
+    path.write_text(json.dumps(FIVE))
+    for source in (FIVE, path, str(path)):
+        assert from_node_link(source) == expected
+    graph = read_node_link(FIVE)
+    assert graph.op_time_us == (1.0, 2.0, 3.0, 4.0, 5.5)
+    costs = graph_costs(graph)
+    assert costs.op_time_us == graph.op_time_us and not costs.allow_offload
+
+
+def test_random_layered_tags_and_order_are_read():
+    data = {"graph": {"order": ["c", "a", "b"], "cpu_tag": "t"},
+            "nodes": [{"id": "a", "t": 2, "out_cost": 10}, {"id": "b", "t": 3, "out_cost": 20},
+                      {"id": "c", "t": 1, "out_cost": 30}],
+            "edges": [{"source": "c", "target": "a"}, {"source": "a", "target": "b"}]}
+    graph = read_node_link(data)
+    assert [op.name for op in graph.problem.ops] == ["c", "a", "b"]
+    assert graph.op_time_us == (1.0, 2.0, 3.0)
+    assert [s.size_bytes for s in graph.problem.storages] == [30, 10, 20]
+    assert graph.problem.num_fwd_ops == 3  # no backward flag at all: forward only
+
+
+def _broken(change) -> dict:
+    data = copy.deepcopy(FIVE)
+    change(data)
+    return data
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d.pop("nodes"), "'nodes'"),
+    (lambda d: d.pop("links"), "'links'"),
+    (lambda d: d["nodes"][1].pop("cost_ram"), "no 'cost_ram'"),
+    (lambda d: d["nodes"][1].pop("backward"), "no 'backward'"),
+    (lambda d: d["nodes"][2].update(cost_cpu=-1), "must not be negative"),
+    (lambda d: d["nodes"][2].update(cost_ram=-5), "must not be negative"),
+    (lambda d: d["nodes"][2].update(cost_cpu="fast"), "finite number"),
+    (lambda d: d["nodes"][2].update(id=1), "appears twice"),
+    (lambda d: d["links"].append({"source": 1, "target": 9}), "unknown node 9"),
+    (lambda d: d.update(links=[{"source": 1, "target": 0}]), "1 -> 0 goes from a later node .* execution order"),
+    (lambda d: d["links"].append({"source": 3, "target": 1}), "cycle"),
+    (lambda d: d["links"].append({"source": 2, "target": 2}), "cycle"),
+    (lambda d: d["nodes"][1].update(backward=True), "forward node 2 runs after backward node 1"),
+    (lambda d: d["graph"].update(order=[0, 1, 2]), "'order'"),
+])
+def test_format_errors_are_typed_and_say_what_is_wrong(change, needle):
+    with pytest.raises(GraphFormatError, match=needle) as info:
+        read_node_link(_broken(change))
+    assert isinstance(info.value, KarmaError)
+
+
+def test_unreadable_files_are_typed(tmp_path):
+    with pytest.raises(GraphFormatError, match="cannot read"):
+        read_node_link(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nodes: ")
+    with pytest.raises(GraphFormatError, match="not JSON"):
+        read_node_link(bad)
+
+
+def test_generator_is_deterministic_and_reads_back():
+    a, b = random_layered_graph(100, 7), random_layered_graph(100, 7)
+    assert a == b and a != random_layered_graph(100, 8)
+    problem = from_node_link(a)
+    assert len(problem.ops) == 100 and problem.num_fwd_ops == 50
+    assert len(problem.saved_activations()) == 50  # every forward output is read by its backward node
+    with pytest.raises(KarmaError):
+        random_layered_graph(2, 0)
+
+
+@pytest.fixture(scope="module")
+def layered():
+    return prepare_graph(random_layered_graph(100, 0))
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "offload", "karma", "greedy"])
+def test_recompute_only_heuristics_never_offload(layered, name):
+    plan = make_strategy(name)(layered.problem, layered.costs, int(0.8 * layered.unplanned_peak_bytes))
+    assert not any(isinstance(d, Offload) for d in plan.decisions)
+
+
+def test_layered_graph_planned_at_08_fits_recompute_only(layered):
+    planned = layered.plan(0.8, "cpsat", time_limit_s=10)
+    plan = planned.plan
+    assert plan.fits and plan.peak_bytes <= plan.budget_bytes
+    assert not any(isinstance(d, Offload) for d in plan.decisions)
+    assert any(isinstance(d, Recompute) for d in plan.decisions)
+    timeline = simulate(layered.problem, plan.decisions, layered.costs)
+    assert timeline.peak_bytes <= plan.budget_bytes
+    assert plan.lower_bound_us is not None and plan.lower_bound_us <= timeline.makespan_us + 1e-6
+    assert plan.slowdown >= 1.0
+
+
+def test_recompute_only_bound_is_tighter_than_with_offload():
+    small = random_layered_graph(30, 0)
+    only, with_link = prepare_graph(small), prepare_graph(small, allow_offload=True)
+    budget = int(0.8 * only.unplanned_peak_bytes)
+    base = [b for _, b in only.keep.memory]
+    recompute_only = lower_bound_us(only.problem, only.costs, budget, base)
+    general = lower_bound_us(with_link.problem, with_link.costs, budget, base)
+    assert recompute_only is not None and general is not None and recompute_only >= general - 1e-6
+
+
+def test_five_node_graph_cpsat_recomputes_within_budget():
+    prepared = prepare_graph(FIVE)
+    plan = prepared.plan(0.9, "cpsat").plan
+    assert plan.fits and not any(isinstance(d, Offload) for d in plan.decisions)
+    assert set(HEURISTICS) >= {"checkpoint", "greedy", "karma"}
