@@ -1,6 +1,7 @@
 """``karma-fx``: plan a zoo model from the shell, compare strategies, list the zoo.
 
     karma-fx plan gpt2 --budget 0.7 --plot out/timeline.png
+    karma-fx plan --graph graph.json --budget 0.8          # a node-link training graph, recompute only
     karma-fx compare cnn --size tiny --budgets 0.9,0.8
     karma-fx models
 
@@ -48,16 +49,16 @@ def _device_names() -> list[str]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by ``plan`` and ``compare``: which model, at which size, on which device."""
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help=f"zoo model (default {DEFAULT_MODEL}): {', '.join(_zoo_names())}")
-    p.add_argument("--size", choices=("tiny", "real"), default="real",
+    p.add_argument("--size", choices=("tiny", "real"), default=None,
                    help="real: the published architecture, built on the meta device (default); "
                         "tiny: a CPU-sized copy for quick checks")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the zoo's for this size)")
     p.add_argument("--seq", type=int, default=None, help="sequence length, language models only "
                                                           "(default: the zoo's for this size)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers (transformers only)")
-    p.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default="fp32",
+    p.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default=None,
                    help="training regime: fp32 (default); bf16-mixed (fp32 weights under bf16 autocast); "
                         "bf16 (bf16 weights)")
     p.add_argument("--device", default="h100",
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Capture the model's training step, plan it under the budget and print "
                                         "the schedule with the predicted step time and peak.")
     _add_model_args(p_plan)
+    p_plan.add_argument("--graph", metavar="FILE",
+                        help="plan this networkx node-link training graph (Checkmate/Moccasin format: nodes with "
+                             "cost_cpu, cost_ram, backward) instead of a zoo model; recompute only unless "
+                             "--allow-offload")
+    p_plan.add_argument("--allow-offload", action="store_true",
+                        help="with --graph: let the plan offload too, reading cost_cpu as µs and copying over the "
+                             "--device's host link")
     p_plan.add_argument("--budget", default="0.5",
                         help="device-memory budget: a size ('24GiB', '800MB') or a fraction of the unplanned "
                              "peak ('0.5', the default)")
@@ -126,10 +134,23 @@ def _check_device(name: str) -> str:
         raise CliError(str(exc)) from None
 
 
+_MODEL_FLAGS = (("model", "MODEL"), ("size", "--size"), ("batch", "--batch"), ("seq", "--seq"),
+                ("layers", "--layers"), ("precision", "--precision"))
+_MODEL_DEFAULTS = {"model": DEFAULT_MODEL, "size": "real", "precision": "fp32"}
+
+
+def _model_defaults(args: argparse.Namespace) -> None:
+    """Fill the model options left out (they default to None so that ``--graph`` can tell them given)."""
+    for key, value in _MODEL_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def _check_model(args: argparse.Namespace) -> None:
     """Reject an unknown model or a misapplied option before the (slow) import of transformers and capture."""
     from karma_fx.zoo import ZOO
 
+    _model_defaults(args)
     if args.model not in ZOO:
         raise CliError(f"unknown model {args.model!r}; choose one of: {', '.join(ZOO)}")
     entry = ZOO[args.model]
@@ -205,6 +226,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """``karma-fx plan``: one model, one budget, one strategy; print the schedule and write what was asked."""
     from karma_fx.strategies import STRATEGY_NAMES
 
+    if args.graph is not None:
+        return _plan_graph(args)
+    if args.allow_offload:
+        raise CliError("--allow-offload applies to --graph only (zoo models may always offload)")
     _check_model(args)
     _check_budget(args.budget)
     if args.strategy not in STRATEGY_NAMES:
@@ -231,6 +256,53 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from karma_fx.report import plot_timeline
 
         title = f"{plan.model} · {plan.strategy} · budget {format_bytes(plan.budget_bytes)} · {plan.device}"
+        _write(args.plot, "plot", lambda p: plot_timeline(planned.timeline, p, budget_bytes=plan.budget_bytes,
+                                                          title=title))
+    if args.trace:
+        from karma_fx.report import write_chrome_trace
+
+        _write(args.trace, "trace", lambda p: write_chrome_trace(planned.timeline, p, name=plan.model))
+    return 0
+
+
+def _plan_graph(args: argparse.Namespace) -> int:
+    """``karma-fx plan --graph FILE``: plan an external node-link graph (no zoo model, no capture)."""
+    from karma_fx.external import prepare_graph
+    from karma_fx.strategies import STRATEGY_NAMES
+
+    given = [flag for key, flag in _MODEL_FLAGS if getattr(args, key) is not None]
+    given += [flag for flag, on in (("--offload-weights", args.offload_weights), ("--nodes", args.nodes is not None))
+              if on]
+    if given:
+        raise CliError(f"--graph plans the graph in the file: {', '.join(given)} "
+                       f"{'does' if len(given) == 1 else 'do'} not apply to it (zoo model options)")
+    _check_budget(args.budget)
+    if args.strategy not in STRATEGY_NAMES:
+        raise CliError(f"unknown strategy {args.strategy!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+    if args.strategy == "torch-budget":
+        raise CliError("torch-budget needs a captured PyTorch graph; it cannot plan --graph")
+    _check_device(args.device)
+    if args.plot:
+        _check_plot_path(args.plot)
+    t0 = time.perf_counter()
+    prepared = prepare_graph(args.graph, device=args.device, allow_offload=args.allow_offload)
+    read_s = time.perf_counter() - t0
+    planned = prepared.plan(args.budget, args.strategy)
+    plan = planned.plan
+    max_rows = None if args.max_rows is not None and args.max_rows < 0 else args.max_rows
+    mode = "keep / offload / recompute" if args.allow_offload else "recompute only"
+    print(f"{prepared.problem.name} ({args.graph}: {len(prepared.problem.ops)} nodes, {mode}), budget {args.budget} "
+          f"= {format_bytes(plan.budget_bytes)}")
+    print()
+    print(plan.table(max_rows=max_rows))
+    print(f"planning took {read_s + planned.seconds['strategy']:.2f} s: read {read_s:.2f} s, "
+          f"strategy {planned.seconds['strategy']:.2f} s")
+    if args.json:
+        _write(args.json, "plan", plan.save)
+    if args.plot:
+        from karma_fx.report import plot_timeline
+
+        title = f"{plan.model} · {plan.strategy} · budget {format_bytes(plan.budget_bytes)} · {mode}"
         _write(args.plot, "plot", lambda p: plot_timeline(planned.timeline, p, budget_bytes=plan.budget_bytes,
                                                           title=title))
     if args.trace:

@@ -389,3 +389,30 @@ def test_solver_runs_are_cut_to_the_time_left():
     assert solver.parameters.max_time_in_seconds <= 0.5
     free = Model._solver(None, SolverOptions(), 20.0)  # type: ignore[arg-type]
     assert free.parameters.max_time_in_seconds == 80.0  # no deadline: the solver's own cap, as before
+
+
+def test_plan_graph_prints_a_recompute_only_plan(capsys, tmp_path):
+    import json
+
+    from karma_fx.external import random_layered_graph
+
+    graph = tmp_path / "layered.json"
+    graph.write_text(json.dumps(random_layered_graph(60, 3)))
+    code, out, err = _run(capsys, "plan", "--graph", str(graph), "--budget", "0.8", "--json", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert "recompute only" in out and "layered-60-s3" in out and "0 offloads" in out and "(fits)" in out
+    plan = Plan.load(tmp_path / "p.json")
+    assert plan.fits and plan.strategy == "cpsat"
+    code, out, err = _run(capsys, "plan", "--graph", str(graph), "--budget", "0.8", "--strategy", "checkpoint")
+    assert code == 0 and "checkpoint" in out
+
+
+def test_plan_graph_user_errors_are_one_line(capsys, tmp_path):
+    graph = tmp_path / "bad.json"
+    graph.write_text('{"nodes": [{"id": 0, "cost_cpu": 1}], "links": []}')
+    _assert_user_error(*_run(capsys, "plan", "--graph", str(graph))[::2], "no 'cost_ram'")
+    _assert_user_error(*_run(capsys, "plan", "--graph", str(tmp_path / "none.json"))[::2], "cannot read graph file")
+    _assert_user_error(*_run(capsys, "plan", "gpt2", "--graph", str(graph))[::2], "MODEL does not apply")
+    _assert_user_error(*_run(capsys, "plan", "--graph", str(graph), "--size", "tiny", "--layers", "2")[::2],
+                       "--size, --layers do not apply")
+    _assert_user_error(*_run(capsys, "plan", "cnn", "--allow-offload")[::2], "--allow-offload applies to --graph")
