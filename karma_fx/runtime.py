@@ -1,18 +1,25 @@
 """Runtime ops: ``torch.ops.karma.offload`` / ``prefetch`` / ``wait`` (names are a public contract: tools
 outside the project recognise host-tier tensors as the outputs of ``karma.offload``).
 
-On CUDA the copies run on two dedicated streams, ordered with events:
+Every copy is asynchronous and ordered by events, the same way on every device:
 
-* ``offload(x)``: the D2H stream waits for the compute stream (``x`` is produced), copies ``x`` into a pinned
-  host buffer from a pool, and ``x.record_stream(d2h)`` keeps the source's memory from being reused until the
-  copy is done even if the graph drops ``x`` right away; the copy's completion event is remembered.
-* ``prefetch(host, device)``: the H2D stream waits for that offload's event, copies into a device buffer
-  allocated on the compute stream (``record_stream`` again), and remembers its completion event.
-* ``wait(t)``: the compute stream waits for ``t``'s copy event; returns ``t`` (an alias), so a graph orders
-  the first use after the wait.
+* ``offload(x)``: the D2H copy engine waits for ``x`` to be produced, copies it into a host buffer from a pool,
+  and keeps ``x``'s memory from being reused until the copy is done even if the graph drops ``x`` right away;
+  the copy's completion event is remembered for the host tensor.
+* ``prefetch(host, device)``: the H2D copy engine waits for that offload's event, copies into a device buffer,
+  and remembers its completion event for the device tensor.
+* ``wait(t)``: compute waits for ``t``'s copy event; returns ``t`` (an alias), so a graph orders the first use
+  after the wait. On a host tensor it waits for the offload that fills it (a swap-out that must land).
 
-On a CPU the same ops copy synchronously (no streams, no pinning), so every graph that uses them runs and is
-tested here. Every op has a fake kernel, so graphs containing them trace under ``FakeTensorMode``.
+Copy engines: on CUDA, two dedicated streams with CUDA events, pinned host buffers and ``record_stream``; on a
+CPU, either two worker threads with futures as events (``copy_mode("threads")``: the CUDA path's ordering logic
+runs for real and copies overlap compute) or synchronous copies (``"sync"``, the default: memory is then freed
+exactly where the graph drops a tensor, which the measured-peak tests rely on).
+
+The host pool takes a buffer back when its tensor dies, but hands it out again only once every copy that reads
+or writes it has finished and no view of it (``.detach()``, a slice) is alive: a buffer dropped by the graph
+right after its prefetch was issued is still being read by that copy, and an offload writing into it would
+corrupt the prefetched values (silently, on a GPU).
 
 Example::
 
@@ -22,26 +29,48 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+import time
 import weakref
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["HostPool", "host_pool", "is_host_tier"]
+__all__ = ["HostPool", "copy_mode", "host_pool", "is_host_tier", "set_copy_delay"]
+
+COPY_MODE_ENV = "KARMA_CPU_COPIES"
+
+
+def _done(event: Any) -> bool:
+    return event.done() if isinstance(event, Future) else bool(event.query())
+
+
+def _block(event: Any) -> None:
+    if isinstance(event, Future):
+        event.result()
+    else:
+        event.synchronize()
 
 
 class HostPool:
     """Host buffers reused across steps, keyed by (bytes, pinned): re-pinning memory every step is slow, and a
-    pool that stops growing after the first step is how a steady training loop should look."""
+    pool that stops growing after the first step is how a steady training loop should look. A buffer comes
+    back when its tensor dies and goes out again once the copies that touch it (``touch``) have finished."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = defaultdict(list)
+        self._free: dict[tuple[int, bool], list[tuple[torch.UntypedStorage, list]]] = defaultdict(list)
+        self._copies: dict[int, list] = {}
         self._lock = threading.Lock()
         self.allocated_bytes = 0
         self.hits = 0
         self.misses = 0
+        self.waited = 0
+        """How many times a buffer had to wait for a copy still touching it before going out again."""
 
     def take(self, like: torch.Tensor, pinned: bool) -> torch.Tensor:
         """An uninitialised host tensor with ``like``'s shape, dtype and strides (when dense), so views that
@@ -49,28 +78,56 @@ class HostPool:
         nbytes = like.numel() * like.element_size()
         key = (nbytes, pinned)
         with self._lock:
-            storage = self._free[key].pop() if self._free[key] else None
-            if storage is None:
+            free = self._free[key]
+            unshared = [i for i, (storage, _) in enumerate(free) if not _still_viewed(storage)]
+            ready = next((i for i in unshared if all(_done(c) for c in free[i][1])), None)
+            if ready is None and unshared:
+                ready = unshared[0]  # its copies are still running: wait for them below
+            entry = free.pop(ready) if ready is not None else None
+            if entry is None:
                 self.misses += 1
                 self.allocated_bytes += nbytes
             else:
                 self.hits += 1
-        if storage is None:
+        if entry is None:
             storage = torch.UntypedStorage(nbytes, device="cpu")
             if pinned:
                 storage = storage.pin_memory()
+        else:
+            storage, copies = entry
+            if not all(_done(c) for c in copies):
+                self.waited += 1
+            for event in copies:  # a copy still reading or writing this buffer: wait for it, never overwrite
+                _block(event)
         out = torch.empty(0, dtype=like.dtype, device="cpu").set_(storage, 0, like.shape, dense_strides(like))
-        weakref.finalize(out, self._give_back, key, storage)
+        pointer = storage.data_ptr()
+        self._copies[pointer] = []
+        weakref.finalize(out, self._give_back, key, storage, pointer)
         return out
 
-    def _give_back(self, key: tuple[int, bool], storage: torch.UntypedStorage) -> None:
+    def touch(self, host: torch.Tensor, event: Any) -> None:
+        """A copy reading or writing ``host`` (a tensor from ``take``, or a view of one) completes with
+        ``event``."""
+        copies = self._copies.get(host.untyped_storage().data_ptr())
+        if copies is not None:
+            copies.append(event)
+
+    def _give_back(self, key: tuple[int, bool], storage: torch.UntypedStorage, pointer: int) -> None:
         with self._lock:
-            self._free[key].append(storage)
+            copies = [c for c in self._copies.pop(pointer, []) if not _done(c)]
+            self._free[key].append((storage, copies))
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
             self.allocated_bytes = 0
+
+
+def _still_viewed(storage: torch.UntypedStorage) -> bool:
+    """Whether a tensor other than the pool's own handle still holds ``storage`` (a view or ``.detach()`` of a
+    host tensor outlives the tensor itself; its buffer must not be handed out again)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and count(storage._cdata) > 1
 
 
 def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -90,15 +147,9 @@ def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 
 host_pool = HostPool()
-_copy_done: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → CUDA event of the copy that made it
+_copy_done: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → event of the copy that made it
+_host_tier: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _streams: dict[tuple[int, str], object] = {}
-
-
-def _side_stream(device: torch.device, which: str):
-    key = (device.index if device.index is not None else torch.cuda.current_device(), which)
-    if key not in _streams:
-        _streams[key] = torch.cuda.Stream(device=device)
-    return _streams[key]
 
 
 def is_host_tier(t: torch.Tensor) -> bool:
@@ -106,7 +157,71 @@ def is_host_tier(t: torch.Tensor) -> bool:
     return t in _host_tier
 
 
-_host_tier: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# ---- CPU copy engines: worker threads with futures as events ------------------------------------------------
+_mode = os.environ.get(COPY_MODE_ENV, "sync")
+_workers: dict[str, ThreadPoolExecutor] = {}
+_delay_s = {"d2h": 0.0, "h2d": 0.0}
+
+
+@contextlib.contextmanager
+def copy_mode(mode: str) -> Iterator[None]:
+    """Run CPU copies ``"sync"`` (default) or on worker ``"threads"`` (one per direction, as CUDA streams)."""
+    global _mode
+    if mode not in ("sync", "threads"):
+        raise ValueError(f"copy mode must be 'sync' or 'threads', got {mode!r}")
+    previous, _mode = _mode, mode
+    try:
+        yield
+    finally:
+        _mode = previous
+
+
+def set_copy_delay(d2h_s: float = 0.0, h2d_s: float = 0.0) -> None:
+    """Slow the CPU copy workers down (tests: a late copy must never be read early or overwritten)."""
+    _delay_s.update(d2h=d2h_s, h2d=h2d_s)
+
+
+def _worker(direction: str) -> ThreadPoolExecutor:
+    if direction not in _workers:
+        _workers[direction] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"karma-{direction}")
+    return _workers[direction]
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """A view of a dense CPU tensor's memory that does not keep its storage alive: what a CUDA copy engine
+    holds of a host buffer (a raw pointer). The copy workers touch host buffers through such views, so the pool
+    has only the copy events to go by, as on a GPU."""
+    import ctypes
+
+    nbytes = t.numel() * t.element_size()
+    raw = torch.frombuffer((ctypes.c_byte * max(nbytes, 1)).from_address(t.data_ptr()), dtype=torch.uint8)
+    return raw[:nbytes].view(t.dtype).as_strided(t.shape, t.stride())
+
+
+def _threaded_copy(direction: str, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Future:
+    """Copy ``src`` into ``dst`` on the ``direction`` worker once ``after`` (an event) is done. The device-side
+    tensor is held until the copy is done (as ``record_stream`` does on CUDA); the host buffer is not."""
+    if direction == "d2h":
+        dst = _unowned(dst)
+    else:
+        src = _unowned(src)
+
+    def copy() -> None:
+        if after is not None:
+            _block(after)
+        if _delay_s[direction]:
+            time.sleep(_delay_s[direction])
+        dst.copy_(src)
+
+    return _worker(direction).submit(copy)
+
+
+# ---- CUDA copy engines: side streams with events -------------------------------------------------------------
+def _side_stream(device: torch.device, which: str):
+    key = (device.index if device.index is not None else torch.cuda.current_device(), which)
+    if key not in _streams:
+        _streams[key] = torch.cuda.Stream(device=device)
+    return _streams[key]
 
 
 def _copy_on(stream, dst: torch.Tensor, src: torch.Tensor, keep_alive: torch.Tensor):
@@ -128,10 +243,17 @@ def offload(x: torch.Tensor) -> torch.Tensor:
         d2h = _side_stream(x.device, "d2h")
         d2h.wait_stream(compute)
         host = host_pool.take(x, pinned=True)
-        _copy_done[host] = _copy_on(d2h, host, x, keep_alive=x)
+        event = _copy_on(d2h, host, x, keep_alive=x)
     else:
         host = host_pool.take(x, pinned=False)
-        host.copy_(x)
+        if _mode == "threads":
+            event = _threaded_copy("d2h", host, x)
+        else:
+            host.copy_(x)
+            event = None
+    if event is not None:
+        _copy_done[host] = event
+        host_pool.touch(host, event)
     _host_tier[host] = True
     return host
 
@@ -143,20 +265,26 @@ def _offload_fake(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("karma::prefetch", mutates_args=())
 def prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor back to ``device`` (asynchronous on CUDA, after its offload landed)."""
+    """Copy a host tensor back to ``device`` (asynchronous, after its offload landed)."""
     device = torch.device(device)
+    landed = _copy_done.get(host)
+    out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)  # compute stream's
     if device.type == "cuda":
         compute = torch.cuda.current_stream(device)
         h2d = _side_stream(device, "h2d")
-        out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)  # compute stream's
         h2d.wait_stream(compute)
-        landed = _copy_done.get(host)
         if landed is not None:
             h2d.wait_event(landed)
-        _copy_done[out] = _copy_on(h2d, out, host, keep_alive=out)
-        return out
-    out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-    return out.copy_(host)
+        event = _copy_on(h2d, out, host, keep_alive=out)
+    elif _mode == "threads":
+        event = _threaded_copy("h2d", out, host, after=landed)
+    else:
+        if landed is not None:
+            _block(landed)
+        return out.copy_(host)
+    _copy_done[out] = event
+    host_pool.touch(host, event)  # the buffer is read until this copy is done
+    return out
 
 
 @prefetch.register_fake
@@ -169,10 +297,15 @@ _lib.define("wait(Tensor(a) t) -> Tensor(a)")
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
-    """Make the compute stream wait for the copy that produced ``t``; returns ``t`` (an alias)."""
-    event = _copy_done.get(t) if t.is_cuda else None
+    """Make compute wait for the copy that produced ``t``; returns ``t`` (an alias)."""
+    event = _copy_done.get(t)
     if event is not None:
-        torch.cuda.current_stream(t.device).wait_event(event)
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).wait_event(event)
+        elif isinstance(event, Future):
+            event.result()
+        else:  # a CUDA event of an offload, waited on from the host tensor: a swap-out that must land
+            torch.cuda.current_stream().wait_event(event)
     return torch.ops.aten.alias(t)
 
 

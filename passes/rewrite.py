@@ -2,9 +2,10 @@
 
 For every decision the backward stops reading the forward's tensor and reads a new one instead:
 
-* offload: ``h = karma.offload(x)`` right after ``offload_after`` (in the forward), ``y = karma.prefetch(h)``
-  before ``prefetch_at`` and ``z = karma.wait(y)`` before the first backward read; every backward read of
-  ``x`` (or of a view of it) now reads ``z`` (or the same view of ``z``);
+* offload: ``h = karma.offload(x)`` right after ``offload_after`` (in the forward), ``karma.wait(h)`` before
+  ``release_before`` where the plan needs the swap-out landed, ``y = karma.prefetch(h)`` before ``prefetch_at``
+  and ``z = karma.wait(y)`` before the first backward read; every backward read of ``x`` (or of a view of it)
+  now reads ``z`` (or the same view of ``z``);
 * recompute: copies of the plan's ops, just before the first backward read of what they rebuild, reading
   what stays resident (or earlier copies); backward reads of the rebuilt tensors read the copies.
 
@@ -81,8 +82,14 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             with graph.inserting_after(after):
                 host = graph.call_function(torch.ops.karma.offload.default, (source,))
             forward_offloads.add(host.name)
+            saved = host
+            if d.release_before is not None:  # the swap-out must have landed here: its bytes are free after;
+                with graph.inserting_before(nodes[d.release_before]):  # the prefetch reads the waited copy,
+                    saved = graph.call_function(torch.ops.karma.wait.default, (host,))  # so the wait stays
+                _copy_meta(saved, source, "forward", device=torch.device("cpu"))
+                forward_offloads.add(saved.name)
             with graph.inserting_before(nodes[d.prefetch_at]):
-                fetched = graph.call_function(torch.ops.karma.prefetch.default, (host, _device_of(source)))
+                fetched = graph.call_function(torch.ops.karma.prefetch.default, (saved, _device_of(source)))
             with graph.inserting_before(first_in_graph(readers + [nodes[d.reload_before]])):
                 ready = graph.call_function(torch.ops.karma.wait.default, (fetched,))
             _copy_meta(host, source, "forward", device=torch.device("cpu"))
