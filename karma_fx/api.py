@@ -108,7 +108,8 @@ class Prepared:
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit {self.problem.name} in {format_bytes(budget_bytes)}: its "
                 f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget known to work is "
-                f"{format_bytes(floor)} ({floor} bytes: every saved activation swapped out and back just in time, "
+                f"{format_bytes(floor)} ({floor} bytes: every saved activation "
+                f"{'swapped out and back' if self.costs.allow_offload else 'dropped and recomputed'} just in time, "
                 f"which strategy='cpsat' can reach); the unplanned peak is {format_bytes(self.unplanned_peak_bytes)}.",
                 min_budget_bytes=floor, budget_bytes=budget_bytes)
         return Planned(plan=plan, problem=self.problem, costs=self.costs, timeline=timeline, step=self.step,

@@ -136,3 +136,19 @@ def test_a_window_replaces_a_stalling_swap_by_the_recompute_it_can_afford():
     kept, _ = refine_in_windows(p, slow, 3114, refined, simulate(p, refined, slow).makespan_us, cands, size=30,
                                 max_windows=1, options=opts)
     assert simulate(p, kept, slow).makespan_us <= 70.0 + 1e-9
+
+
+def test_at_the_floor_cpsat_returns_the_leanest_plan_and_says_it_fits():
+    """The smallest budget quoted to users is the leanest plan's peak: cpsat reaches it (it used to return that
+    very plan labelled INFEASIBLE when no heuristic fitted)."""
+    import torch
+
+    import karma_fx
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                torch.nn.Tanh(), torch.nn.Linear(256, 1))
+    prepared = karma_fx.prepare(model, (torch.randn(2048, 64),))
+    floor = prepared.min_peak_bytes()
+    plan = prepared.plan(floor).plan
+    assert plan.fits and plan.status != "INFEASIBLE" and plan.peak_bytes <= floor

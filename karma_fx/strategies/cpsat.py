@@ -26,7 +26,7 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import paused_gc
-from karma_fx.strategies.base import Strategy, leanest_moves, timeline_of
+from karma_fx.strategies.base import Strategy, leanest_decisions, leanest_moves, timeline_of
 from karma_fx.strategies.bound import lower_bound_us
 from karma_fx.strategies.cpsat_capacity import solve_capacity
 from karma_fx.strategies.cpsat_window import refine_in_windows
@@ -303,8 +303,14 @@ class CpSat:
             cands = []
         if cands and not out_of_time():
             best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, proven, notes, say)
-        if best is None:  # nothing fits: hand back the leanest plan, so the caller sees the lowest peak
-            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_moves(problem, costs),
+        if best is None:  # no heuristic fits: the leanest plan is the last resort, and the floor quoted to users
+            leanest = leanest_decisions(problem, costs)
+            if timeline_of(problem, costs, leanest).peak_bytes <= budget_bytes:
+                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
+                            status="FALLBACK:leanest", lower_bound_us=proven,
+                            notes=tuple(notes) + ("only the leanest plan fits: every saved tensor moved out and back "
+                                                  "just in time",) + tuple(stopped))
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
                         status="INFEASIBLE", lower_bound_us=proven,
                         notes=tuple(notes) + ("no plan found fits: the plan with the lowest peak is returned",)
                         + tuple(stopped))
