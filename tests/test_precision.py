@@ -60,3 +60,19 @@ def test_cli_plans_in_the_regime_asked(capsys):
     assert main(["plan", "gpt2", "--size", "tiny", "--precision", "bf16-mixed", "--strategy", "keep",
                  "--budget", "1.0"]) == 0
     assert "gpt2-tiny-bf16-mixed" in capsys.readouterr().out
+
+
+def test_real_gpt2_in_bf16_mixed_saves_linear_not_quadratic_attention_state():
+    """Attention dropout 0 at real size lets SDPA take its fused kernel: per layer it saves its output and a
+    logsumexp, O(B·H·S), and nothing of the S x S probabilities the math path keeps."""
+    model, args, kwargs = build("gpt2", "real", device="meta", layers=1, precision="bf16-mixed")
+    prepared = karma_fx.prepare(model, args, kwargs)
+    ops = prepared.problem.ops
+    targets = {op.target for op in ops}
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in targets
+    assert "aten._softmax.default" not in targets, "the math path's S x S softmax"
+    batch, seq, heads, hidden = 8, 1024, 12, 768
+    flash = next(i for i, op in enumerate(ops) if op.target.startswith("aten._scaled_dot_product_flash"))
+    saved = [s for s in prepared.problem.storages if s.producer == flash]
+    assert sum(s.size_bytes for s in saved) <= batch * seq * hidden * 4 + batch * heads * seq * 4
+    assert all(s.size_bytes < batch * heads * seq * seq for s in saved)

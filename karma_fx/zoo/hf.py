@@ -37,13 +37,21 @@ def _pin_loss_function(model: nn.Module, loss_type: str) -> None:
     model.loss_function = LOSS_MAPPING[loss_type]  # type: ignore[assignment]
 
 
+def _attention_dropout(req: Request, p: float) -> float:
+    """``p`` where the caller set ``dropout`` or at tiny size; 0 at real size, the pretraining setting that
+    lets SDPA run its fused kernel (dropout on the S x S probabilities forces the math path)."""
+    return p if req.tiny or "dropout" in req.overrides else 0.0
+
+
 def _lm_inputs(req: Request, vocab: int) -> dict[str, Any]:
     return {"input_ids": tokens(req, vocab), "labels": tokens(req, vocab)}
 
 
 def build_gpt2(req: Request) -> tuple[nn.Module, tuple, dict]:
     """Real: GPT-2 small (12 layers, 768 hidden, 12 heads, vocab 50257, 1024 positions, ~124M). Tiny: 2 layers,
-    64 hidden, 4 heads, vocab 256. Dropouts keep GPT-2's default 0.1 at both sizes.
+    64 hidden, 4 heads, vocab 256. Residual and embedding dropout keep GPT-2's default 0.1; attention dropout is
+    0 at real size (the usual pretraining setting, which lets SDPA take its fused kernel: it saves O(S) per head,
+    not the S x S probabilities) and 0.1 at tiny size (tests exercise dropout through attention).
 
     Overrides: ``layers``, ``hidden`` (heads follow head dim 64 real / 16 tiny), ``heads``, ``vocab``,
     ``dropout`` (sets resid/embd/attn dropout together). Positions = max(default, seq).
@@ -63,7 +71,7 @@ def build_gpt2(req: Request) -> tuple[nn.Module, tuple, dict]:
         n_head=heads_for(hidden, req.opt("heads", default_heads), 16 if req.tiny else 64),
         resid_pdrop=p,
         embd_pdrop=p,
-        attn_pdrop=p,
+        attn_pdrop=_attention_dropout(req, p),
         bos_token_id=vocab - 1,  # GPT-2's <|endoftext|> is the last id; keep it inside a shrunken vocab
         eos_token_id=vocab - 1,
         use_cache=False,
@@ -76,8 +84,8 @@ def build_gpt2(req: Request) -> tuple[nn.Module, tuple, dict]:
 
 def build_bert(req: Request) -> tuple[nn.Module, tuple, dict]:
     """Real: BERT-base (12 layers, 768 hidden, 12 heads, 3072 intermediate, vocab 30522, 512 positions, ~110M)
-    with the masked-LM head. Tiny: 2 layers, 64 hidden, 4 heads, 256 intermediate, vocab 256. Dropouts keep
-    BERT's default 0.1. No attention mask is passed (every position is a real token); labels cover every
+    with the masked-LM head. Tiny: 2 layers, 64 hidden, 4 heads, 256 intermediate, vocab 256. Hidden dropout
+    keeps BERT's default 0.1; attention dropout is 0 at real size (fused SDPA, as for GPT-2), 0.1 at tiny size. No attention mask is passed (every position is a real token); labels cover every
     position, which costs the same as 15% masking for a planner since the logits are computed everywhere.
 
     Overrides: ``layers``, ``hidden`` (heads follow head dim 64 real / 16 tiny; intermediate = 4x hidden),
@@ -98,7 +106,7 @@ def build_bert(req: Request) -> tuple[nn.Module, tuple, dict]:
         intermediate_size=positive_int("intermediate", req.opt("intermediate", 4 * hidden)),
         max_position_embeddings=max(64 if req.tiny else 512, req.seq),
         hidden_dropout_prob=p,
-        attention_probs_dropout_prob=p,
+        attention_probs_dropout_prob=_attention_dropout(req, p),
         use_cache=False,
         attn_implementation="sdpa",
     )
