@@ -7,6 +7,7 @@ recompute reorders arithmetic the results are bit-identical; we allow 1e-5 relat
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -22,14 +23,14 @@ CASES += [(m, s) for m in ("cnn", "gpt2") for s in ("torch-budget", "cpsat")]  #
 CASES += [(m, "greedy") for m in ("mlp", "cnn", "gpt2", "resnet50")]
 
 
+@functools.lru_cache(maxsize=None)
 def budgets(name):
-    """The compiled step's own unplanned peak, the floor known to work, and halfway (as HF models return
-    their logits too, the compiled step differentiates more outputs than ``karma_fx.plan`` does)."""
+    """The compiled step's own unplanned peak, the floor known to work, and halfway."""
     model, args, kwargs = build(name, "tiny")
     probe = karma_fx.compile(model, budget=1.0, strategy="keep")
     probe(*args, **kwargs)
     high, low = probe.unplanned_peak_bytes, probe.min_budget_bytes
-    return [high, low + (high - low) // 2, low]
+    return (high, low + (high - low) // 2, low)
 
 
 def assert_same_training(model, compiled, args, kwargs, steps=3):
@@ -64,14 +65,10 @@ def test_gradients_equal_eager(name, strategy):
             break
         model, args, kwargs = build(name, "tiny")
         compiled = karma_fx.compile(model, budget=budget, strategy=strategy)
-        try:
-            torch.manual_seed(0)
-            compiled(*args, **kwargs)
+        try:  # an infeasible budget is refused as the step first runs, before anything in the model changed
+            assert_same_training(model, compiled, args, kwargs)
         except InfeasibleBudgetError:
             continue
-        model, args, kwargs = build(name, "tiny")
-        compiled = karma_fx.compile(model, budget=budget, strategy=strategy)
-        assert_same_training(model, compiled, args, kwargs)
         assert compiled.plan.strategy == strategy and compiled.plan.fits
         ran += 1
     assert ran, f"{strategy} fitted no budget on {name}"
@@ -154,7 +151,7 @@ def test_measured_peak_of_the_real_run_matches_the_simulator(name, strategy):
         live.peak_bytes, plan.peak_bytes, scratch)
 
 
-def test_steady_state_over_twenty_steps():
+def test_steady_state_over_eight_steps():
     """Each step allocates and frees the same bytes (allocator events), peaking at the same height; the host
     buffer pool stops growing."""
     import gc
@@ -168,7 +165,7 @@ def test_steady_state_over_twenty_steps():
     output_to_loss(compiled(*args, **kwargs)).backward()  # compile outside the measurement
     opt.zero_grad(set_to_none=True)
     after, peaks, pool = [], [], []
-    for _ in range(20):
+    for _ in range(8):
         with AllocatorPeak() as step:
             output_to_loss(compiled(*args, **kwargs)).backward()
             opt.step()
