@@ -1,15 +1,25 @@
-"""Predicted vs measured device peak of the compiled training step (tiny zoo models, CPU).
+"""Predicted vs measured memory and time of the compiled training step on this machine (CPU).
 
-    python bench/measured_run.py [--models cnn,gpt2] [--strategies checkpoint,karma]
+    python bench/measured_run.py                       # peaks: tiny zoo models, roofline costs
+    python bench/measured_run.py --time                # times: medium models, costs="measured"
 
-For each model the budget is halfway between the compiled step's lowest known-feasible peak and its
-unplanned peak; the step is compiled, warmed up, then run once under ``LiveBytes`` (live device storages,
-host copies excluded). A table row per model x strategy: budget, simulated peak, measured peak, their ratio.
+Peaks: for each model the budget is halfway between the compiled step's lowest known-feasible peak and its
+unplanned peak; the step is compiled, warmed up, then run once under ``AllocatorPeak`` (torch.profiler's
+allocator events, which see the compiled step as it runs). A row per model x strategy: budget, simulated peak,
+measured peak, their ratio.
+
+Times (``--time``): medium models whose ops take a millisecond or more (a 4-layer d=512 GPT at sequence 512 and a
+bottleneck ResNet at 64x64, batch 32); each is compiled with ``costs="measured"`` (its ops timed once here, the
+copy ops' speed measured) at ``--fraction`` of its unplanned peak, its copies run on worker threads (overlapping
+compute, as on a GPU), and the median of ``--steps`` steady-state steps is compared with the plan's predicted
+step time; the measured peak is checked against the budget.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
+import time
 import warnings
 
 from tabulate import tabulate
@@ -20,20 +30,19 @@ from karma_fx.measure_run import measure_step_peak
 from karma_fx.zoo import build, output_to_loss
 
 MODELS = "mlp,cnn,resnet50,resnet200,resnet1001,wrn28_10,vgg16,megatron_gpt,gpt2,bert,llama"
+MEDIUM = {
+    "gpt-4x512": lambda: build("megatron_gpt", "tiny", batch=2, seq=512, layers=4, hidden=512, heads=8, vocab=2048),
+    "resnet-64px": lambda: build("resnet50", "tiny", batch=32, image=64, width=32),
+}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=MODELS)
-    p.add_argument("--strategies", default="checkpoint,offload,karma")
-    a = p.parse_args(argv)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+def peaks(a: argparse.Namespace) -> list[list]:
     rows = []
     for name in a.models.split(","):
         model, args, kwargs = build(name, "tiny")
         probe = karma_fx.compile(copy.deepcopy(model), budget=1.0, strategy="keep")
         probe(*args, **kwargs)
-        high, low = probe.plan.unplanned_peak_bytes, probe.min_budget_bytes
+        high, low = probe.unplanned_peak_bytes, probe.min_budget_bytes
         budget = low + (high - low) // 2
         for strategy in a.strategies.split(","):
             model, args, kwargs = build(name, "tiny")
@@ -47,8 +56,60 @@ def main(argv: list[str] | None = None) -> int:
             plan = compiled.plan
             rows.append([name, strategy, budget, plan.peak_bytes, live.peak_bytes,
                          f"{live.peak_bytes / plan.peak_bytes:.4f}"])
-    print(tabulate(rows, headers=["model (tiny)", "strategy", "budget B", "simulated peak B", "measured peak B",
-                                  "measured / simulated"], tablefmt="github"))
+    return rows
+
+
+def times(a: argparse.Namespace) -> list[list]:
+    from karma_fx.budget import format_bytes
+    from karma_fx.runtime import copy_mode
+
+    rows = []
+    for name in a.medium.split(","):
+        for strategy in a.strategies.split(","):
+            model, args, kwargs = MEDIUM[name]()
+            step = karma_fx.compile(model, budget=a.fraction, strategy=strategy, costs="measured",
+                                    time_limit_s=30)
+            with copy_mode("threads"):
+                try:
+                    for _ in range(2):
+                        output_to_loss(step(*args, **kwargs)).backward()
+                        model.zero_grad(set_to_none=True)
+                except InfeasibleBudgetError:
+                    rows.append([name, strategy, "infeasible"] + [""] * 6)
+                    continue
+                measured = []
+                for _ in range(a.steps):
+                    start = time.perf_counter()
+                    output_to_loss(step(*args, **kwargs)).backward()
+                    measured.append((time.perf_counter() - start) * 1e3)
+                    model.zero_grad(set_to_none=True)
+                peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
+            plan = step.plan
+            ms = statistics.median(measured)
+            predicted = plan.step_time_us / 1e3
+            rows.append([name, strategy, format_bytes(plan.budget_bytes), f"{predicted:.1f}", f"{ms:.1f}",
+                         f"{ms / predicted - 1:+.1%}", format_bytes(plan.peak_bytes), format_bytes(peak),
+                         "yes" if peak <= plan.budget_bytes else "NO"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=MODELS)
+    p.add_argument("--strategies", default="checkpoint,offload,karma")
+    p.add_argument("--time", action="store_true", help="predicted vs measured step time of the medium models")
+    p.add_argument("--medium", default=",".join(MEDIUM))
+    p.add_argument("--fraction", type=float, default=0.7)
+    p.add_argument("--steps", type=int, default=5)
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if a.time:
+        rows = times(a)
+        print(tabulate(rows, headers=["model", "strategy", "budget", "predicted ms", "measured ms", "error",
+                                      "simulated peak", "measured peak", "peak <= budget"], tablefmt="github"))
+    else:
+        print(tabulate(peaks(a), headers=["model (tiny)", "strategy", "budget B", "simulated peak B",
+                                          "measured peak B", "measured / simulated"], tablefmt="github"))
     return 0
 
 

@@ -125,6 +125,22 @@ def finalize(plan: Plan, problem: Problem, costs: Costs, timeline: Timeline, kee
                         schedule=timeline.rows)
 
 
+COST_MODELS = ("roofline", "measured")
+
+
+def measure_costs(step: CapturedStep, problem: Problem, primals: list, *, allow_offload: bool = True) -> Costs:
+    """``costs="measured"``: run the captured step once for real on the tensors ``primals`` (node by node, the
+    RNG restored) and time each op, and measure the copy ops' speed on that device."""
+    from karma_fx.costs import measured_costs
+    from karma_fx.device import measure_copy_speed
+    from karma_fx.passes.measure import time_joint
+
+    device = next((t.device for t in primals if hasattr(t, "device")), None)
+    d2h, h2d, latency = measure_copy_speed(device if device is not None else "cpu")
+    return measured_costs(problem, time_joint(step, primals), d2h_bytes_per_us=d2h, h2d_bytes_per_us=h2d,
+                          copy_latency_us=latency, device=f"measured on {device}", allow_offload=allow_offload)
+
+
 def _check_call(model: Any, args: Any, kwargs: Any) -> tuple[tuple, dict[str, Any]]:
     """``args`` as a tuple and ``kwargs`` as a dict, or a ``KarmaError`` saying what was passed."""
     from karma_fx.errors import UnsupportedModelError
@@ -137,9 +153,12 @@ def _check_call(model: Any, args: Any, kwargs: Any) -> tuple[tuple, dict[str, An
 
 
 def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *,
-            device: str | DeviceSpec | None = None, name: str | None = None) -> Prepared:
-    """Capture the training step and build everything a strategy needs."""
+            device: str | DeviceSpec | None = None, name: str | None = None, costs: str = "roofline") -> Prepared:
+    """Capture the training step and build everything a strategy needs. ``costs="measured"`` times the step's
+    ops on the device the model is on (it must hold real weights) instead of the ``device`` preset's roofline."""
     args, kwargs = _check_call(model, args, kwargs)
+    if costs not in COST_MODELS:
+        raise KarmaError(f"costs must be one of {COST_MODELS}, got {costs!r}")
     spec = get_device(device)
     seconds: dict[str, float] = {}
     label = name or type(model).__name__
@@ -152,29 +171,38 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
         problem = build_problem(step, name=label)
         t2 = time.perf_counter()
         report("costs")
-        costs = estimate_costs(problem, spec)
-        keep = simulate(problem, (), costs)
+        if costs == "measured":
+            from karma_fx.passes.measure import real_primals
+
+            if any(t.device.type == "meta" for t in model.parameters()):
+                raise KarmaError('costs="measured" times the step for real: build the model on a real device, '
+                                 "not on meta")
+            cost_model = measure_costs(step, problem, real_primals(step, model, args, kwargs))
+        else:
+            cost_model = estimate_costs(problem, spec)
+        keep = simulate(problem, (), cost_model)
         t3 = time.perf_counter()
     seconds.update(capture=t1 - t0, liveness=t2 - t1, costs=t3 - t2)
-    return Prepared(problem=problem, costs=costs, keep=keep, step=step, seconds=seconds)
+    return Prepared(problem=problem, costs=cost_model, keep=keep, step=step, seconds=seconds)
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,
          device: str | DeviceSpec | None = None, strategy: str | Strategy | None = None,
-         offload_weights: bool = False, time_limit_s: float | None = None) -> Plan:
+         offload_weights: bool = False, time_limit_s: float | None = None, costs: str = "roofline") -> Plan:
     """Plan one training step of ``model(*args, **kwargs)`` under ``budget`` (bytes or a fraction).
 
     The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read. The
     step is the one ``karma_fx.compile`` runs (every output that requires grad is differentiated), so both
     agree on what fits. ``offload_weights`` streams the weights from host memory (see ``Prepared.plan``);
-    ``time_limit_s`` bounds the planning's wall-clock time (the capture excluded).
+    ``time_limit_s`` bounds the planning's wall-clock time (the capture excluded); ``costs="measured"`` plans
+    with op times measured on the device the model is on instead of the ``device`` preset's roofline.
     Raises ``InfeasibleBudgetError`` (naming the smallest workable budget) when the strategy cannot fit.
     """
     from karma_fx.config import KarmaConfig
 
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
-                              time_limit_s=time_limit_s)  # nonsense is refused before the (slow) capture
-    prepared = prepare(model, args, kwargs, device=config.device)
+                              time_limit_s=time_limit_s, costs=costs)  # nonsense is refused before the capture
+    prepared = prepare(model, args, kwargs, device=config.device, costs=config.costs)
     with planning(prepared.problem.name):
         return prepared.plan(config.budget, config.strategy, offload_weights=config.offload_weights,
                              time_limit_s=config.time_limit_s).plan

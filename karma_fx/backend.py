@@ -141,7 +141,12 @@ class KarmaBackend:
             if plan is not None:
                 chosen["variant"] = next(v for v in region.variants if v.plan is plan)
                 return plan
-            costs = estimate_costs(problem, session.config.device)
+            if session.config.costs == "measured":  # the region timed for real on the runtime tensors
+                from karma_fx.api import measure_costs
+
+                costs = measure_costs(step, problem, [a for a in args if isinstance(a, torch.Tensor)])
+            else:
+                costs = estimate_costs(problem, session.config.device)
             keep = simulate(problem, (), costs)
             region.boundary = boundary_of(step, problem)
             prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step)

@@ -213,7 +213,8 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
             strategy: str | Strategy | None = None, optimizer: OptimizerFactory | None = None,
             data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             offload_weights: bool = False, time_limit_s: float | None = None,
-            max_grad_norm: float | None = None, plan_cache: str | None = None) -> KarmaModule:
+            max_grad_norm: float | None = None, plan_cache: str | None = None, costs: str = "roofline"
+            ) -> KarmaModule:
     """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan.
 
     ``budget``: bytes (``"12GiB"``, ``12e9``) or a fraction of the unplanned peak (``0.5``), resolved once at
@@ -227,7 +228,9 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     parameters stay in host memory and stream through the device window by window (CPU-tested, not
     implemented for CUDA weights yet). ``time_limit_s``: wall-clock limit for planning each region.
     ``plan_cache``: a directory of plans keyed by the captured graph, device, strategy and budget (default
-    ``$KARMA_PLAN_CACHE``), so a restarted job does not plan again.
+    ``$KARMA_PLAN_CACHE``), so a restarted job does not plan again. ``costs="measured"``: each region's ops are
+    timed once on the tensors of its first run (and the copy ops' speed measured) instead of the ``device``
+    preset's roofline.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"karma_fx.compile takes an nn.Module, got {type(model).__name__}")
@@ -235,5 +238,5 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
         raise KarmaError("optimizer must be a callable that builds a torch.optim.Optimizer from a parameter list, "
                          "e.g. functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)")
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
-                              time_limit_s=time_limit_s, plan_cache=plan_cache)
+                              time_limit_s=time_limit_s, plan_cache=plan_cache, costs=costs)
     return KarmaModule(model, config, optimizer, data_parallel, bucket_bytes, max_grad_norm)

@@ -25,7 +25,8 @@ from karma_fx.strategies import DEFAULT_STRATEGY, STRATEGY_NAMES, Strategy
 
 BUDGET_ENV = "KARMA_BUDGET"
 PLAN_CACHE_ENV = "KARMA_PLAN_CACHE"
-OPTIONS = ("budget", "strategy", "device", "offload_weights", "time_limit_s", "plan_cache")
+OPTIONS = ("budget", "strategy", "device", "offload_weights", "time_limit_s", "plan_cache", "costs")
+COST_MODELS = ("roofline", "measured")
 """The keys ``backend="karma"`` accepts in ``options``."""
 
 
@@ -39,6 +40,9 @@ class KarmaConfig:
     offload_weights: bool = False
     time_limit_s: float | None = None
     """Wall-clock limit for planning one region (capture excluded); the best plan found by then is used."""
+    costs: str = "roofline"
+    """``"roofline"``: op times from FLOPs and bytes on ``device`` (plan a device you do not have);
+    ``"measured"``: the step's ops timed once on the device it runs on, with the copy ops' measured speed."""
     plan_cache: str | None = None
     """A directory where plans are saved, keyed by the captured graph, the device, the strategy and the
     budget, so that a restarted job reuses them instead of planning again (default ``$KARMA_PLAN_CACHE``)."""
@@ -63,6 +67,8 @@ class KarmaConfig:
             raise KarmaError(f"time_limit_s must be a positive number of seconds, got {limit!r}")
         if limit is not None:
             object.__setattr__(self, "time_limit_s", float(limit))
+        if self.costs not in COST_MODELS:
+            raise KarmaError(f"costs must be one of {COST_MODELS}, got {self.costs!r}")
         cache = self.plan_cache if self.plan_cache is not None else os.environ.get(PLAN_CACHE_ENV) or None
         if cache is not None and not isinstance(cache, (str, os.PathLike)):
             raise KarmaError(f"plan_cache must be a directory path, got {cache!r}")
@@ -70,11 +76,11 @@ class KarmaConfig:
 
     @classmethod
     def make(cls, *, budget: Any, strategy: Any = None, device: Any = None, offload_weights: Any = False,
-             time_limit_s: Any = None, plan_cache: Any = None) -> "KarmaConfig":
+             time_limit_s: Any = None, plan_cache: Any = None, costs: Any = "roofline") -> "KarmaConfig":
         """From keyword arguments as the public functions take them (``None`` means the default)."""
         return cls(budget=Budget.of(budget), strategy=DEFAULT_STRATEGY if strategy is None else strategy,
                    device=get_device(device), offload_weights=offload_weights, time_limit_s=time_limit_s,
-                   plan_cache=plan_cache)
+                   plan_cache=plan_cache, costs="roofline" if costs is None else costs)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "KarmaConfig":

@@ -15,7 +15,7 @@ from typing import Literal, Union
 from karma_fx.device import DeviceSpec, get_device
 from karma_fx.problem import Problem
 
-__all__ = ["Costs", "estimate_costs", "op_time_us"]
+__all__ = ["Costs", "estimate_costs", "measured_costs", "op_time_us"]
 
 Direction = Literal["d2h", "h2d"]
 
@@ -97,3 +97,13 @@ def estimate_costs(problem: Problem, device: Union[DeviceSpec, str, None] = None
         device=spec.name,
         allow_offload=allow_offload,
     )
+
+
+def measured_costs(problem: Problem, node_time_us: dict[str, float], *, d2h_bytes_per_us: float,
+                   h2d_bytes_per_us: float, copy_latency_us: float, device: str,
+                   allow_offload: bool = True) -> Costs:
+    """Costs from times measured on the device at hand (``karma_fx.passes.measure.time_joint``) and its
+    measured copy bandwidth: what ``costs="measured"`` plans with. An op not timed (none in practice) costs 0."""
+    return Costs(op_time_us=tuple(node_time_us.get(op.name, 0.0) for op in problem.ops),
+                 d2h_bytes_per_us=d2h_bytes_per_us, h2d_bytes_per_us=h2d_bytes_per_us,
+                 copy_latency_us=copy_latency_us, device=device, allow_offload=allow_offload)

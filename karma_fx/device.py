@@ -257,3 +257,37 @@ def calibrate(device: Any = "cuda", *, size_mb: int = 256) -> DeviceSpec:
         link="measured",
         efficiency=0.9,
     )
+
+
+def measure_copy_speed(device: Any) -> tuple[float, float, float]:
+    """(D2H bytes/µs, H2D bytes/µs, latency µs) of the karma copy ops on ``device`` as they run here: on CUDA
+    ``calibrate()``'s pinned-copy figures; on a CPU the ops' own time for a 32 MiB and a 4-byte tensor (host
+    memory to host memory, with the runtime's pool and dispatch overhead in the latency)."""
+    import time
+
+    import torch
+
+    import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        spec = calibrate(dev)
+        return spec.d2h_bytes_per_s / 1e6, spec.h2d_bytes_per_s / 1e6, spec.copy_latency_us
+
+    def median_us(fn: Any, repeats: int) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        return sorted(times)[len(times) // 2]
+
+    big, small = torch.empty(8 << 20), torch.empty(1)
+    latency = median_us(lambda: torch.ops.karma.wait(torch.ops.karma.prefetch(torch.ops.karma.offload(small), dev)),
+                        21) / 2
+    d2h = median_us(lambda: torch.ops.karma.offload(big), 5)
+    host = torch.ops.karma.offload(big)
+    h2d = median_us(lambda: torch.ops.karma.wait(torch.ops.karma.prefetch(host, dev)), 5)
+    nbytes = big.numel() * big.element_size()
+    return nbytes / max(d2h - latency, 1e-3), nbytes / max(h2d - latency, 1e-3), latency

@@ -101,3 +101,39 @@ def _live_storage_bytes(values: Any) -> int:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(seen.values())
+
+
+def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
+    """Run ``step.joint`` for real ``repeats`` times, node by node in execution order (as the boxed forward and
+    backward graphs run it), and return each node's median wall time in µs (CUDA is synchronised per node).
+
+    The RNG state is restored afterwards, so timing a step changes no dropout mask of the training that
+    follows; the joint graph is functional, so no parameter or buffer is updated."""
+    import statistics
+    import time
+
+    graph = step.joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    order = execution_order(step)
+    num_fwd = forward_node_count(step)
+    cuda = any(t.is_cuda for t in primals)
+    samples: dict[str, list[float]] = {n.name: [] for n in order}
+    devices = [t.device for t in primals if t.is_cuda][:1]
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # Called from inside AOTAutograd's partitioner, where a fake-tensor mode is active: run on the real tensors.
+    with _disable_current_modes(), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        for _ in range(repeats):
+            env: dict[fx.Node, Any] = dict(zip(placeholders, primals))
+            for pos, node in enumerate(order):
+                if pos == num_fwd:
+                    for ph in placeholders[len(primals):]:
+                        val = ph.meta["val"]
+                        env[ph] = torch.ones(val.shape, dtype=val.dtype, device=primals[0].device)
+                a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                start = time.perf_counter()
+                env[node] = node.target(*a, **kw)
+                if cuda:
+                    torch.cuda.synchronize()
+                samples[node.name].append((time.perf_counter() - start) * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items() if values}
