@@ -94,22 +94,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_dead_rank_makes_the_others_fail_clearly_not_hang():
+def two_ranks(script: str, *args: str) -> tuple[subprocess.Popen, subprocess.Popen, str, str]:
+    """Run ``script`` as ranks 0 and 1 of a gloo group on loopback; (rank 0, rank 1, rank 0's stdout, stderr)."""
     port = _free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(ROOT / "examples")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     try:
         out0, err0 = procs[0].communicate(timeout=120)
         procs[1].communicate(timeout=30)
     finally:
         for p in procs:
             p.kill()
-    assert procs[1].returncode == 3
-    assert procs[0].returncode != 0, out0
+    return procs[0], procs[1], out0, err0
+
+
+def test_a_dead_rank_makes_the_others_fail_clearly_not_hang():
+    rank0, rank1, out0, err0 = two_ranks(WORKER, str(ROOT / "examples"))
+    assert rank1.returncode == 3
+    assert rank0.returncode != 0, out0
     assert "ExchangeError" in err0 and "a rank died" in err0, err0[-3000:]
 
 
@@ -126,18 +132,6 @@ BROADCAST_WORKER = textwrap.dedent("""
 
 
 def test_a_rank_dying_before_the_weight_broadcast_is_a_typed_error():
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", BROADCAST_WORKER], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    try:
-        _, err0 = procs[0].communicate(timeout=120)
-        procs[1].communicate(timeout=30)
-    finally:
-        for p in procs:
-            p.kill()
-    assert procs[1].returncode == 3 and procs[0].returncode != 0
+    rank0, rank1, _, err0 = two_ranks(BROADCAST_WORKER)
+    assert rank1.returncode == 3 and rank0.returncode != 0
     assert "ExchangeError" in err0 and "initial broadcast" in err0, err0[-3000:]
