@@ -123,8 +123,3 @@ def total_that_works(persistent_bytes: int, leanest: Sequence[Footprint]) -> int
         before = sum(f.held_bytes for f in leanest[:k])
         worst = max(worst, persistent_bytes - lean.own_bytes + before + _alive_after(leanest, k) + lean.peak_bytes)
     return worst
-
-
-def composed_peak(persistent_bytes: int, runs: Sequence[Footprint]) -> int:
-    """An upper bound of the step's device peak when the runs execute with these footprints."""
-    return total_that_works(persistent_bytes, runs)

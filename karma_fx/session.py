@@ -23,7 +23,7 @@ from karma_fx.budget import Budget, format_bytes
 from karma_fx.config import KarmaConfig
 from karma_fx.errors import InfeasibleBudgetError, KarmaError
 from karma_fx.plan import Plan
-from karma_fx.regions import Boundary, Footprint, Room, footprint, room, total_that_works
+from karma_fx.regions import Boundary, Footprint, footprint, room, total_that_works
 from karma_fx.strategies import DEFAULT_STRATEGY
 
 log = logging.getLogger("karma_fx.session")
@@ -349,9 +349,9 @@ class Session:
         lean = self._leanest(region)
         if space.admits(lean.fp) and self.config.strategy == DEFAULT_STRATEGY:
             return lean  # the default strategy's floor: what every "smallest budget known to work" refers to
-        return self._no_room(region, space, lean, later, persistent, own)
+        return self._no_room(region, lean, later, persistent, own)
 
-    def _no_room(self, region: Region, space: Room, lean: Variant, later: list[Footprint] | None,
+    def _no_room(self, region: Region, lean: Variant, later: list[Footprint] | None,
                  persistent: int, own: int) -> Variant:
         assert self.budget_bytes is not None
         if later is None and self._runs and self.config.strategy == DEFAULT_STRATEGY:
