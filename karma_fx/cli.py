@@ -253,18 +253,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"planning took {total:.2f} s: {_seconds(seconds, ('build', 'capture', 'liveness', 'costs', 'strategy'))}")
     if cluster is not None:
         _print_data_parallel(cluster, planned)
-    if args.json:
-        _write(args.json, "plan", plan.save)
-    if args.plot:
-        from karma_fx.report import plot_timeline
-
-        title = f"{plan.model} · {plan.strategy} · budget {format_bytes(plan.budget_bytes)} · {plan.device}"
-        _write(args.plot, "plot", lambda p: plot_timeline(planned.timeline, p, budget_bytes=plan.budget_bytes,
-                                                          title=title))
-    if args.trace:
-        from karma_fx.report import write_chrome_trace
-
-        _write(args.trace, "trace", lambda p: write_chrome_trace(planned.timeline, p, name=plan.model))
+    _write_outputs(args, planned, plan.device)
     return 0
 
 
@@ -300,19 +289,25 @@ def _plan_graph(args: argparse.Namespace) -> int:
     print(plan.table(max_rows=max_rows))
     print(f"planning took {read_s + planned.seconds['strategy']:.2f} s: read {read_s:.2f} s, "
           f"strategy {planned.seconds['strategy']:.2f} s")
+    _write_outputs(args, planned, mode)
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, planned: Any, subtitle: str) -> None:
+    """The files ``--json``, ``--plot`` and ``--trace`` ask for (``subtitle`` ends the plot's title)."""
+    plan = planned.plan
     if args.json:
         _write(args.json, "plan", plan.save)
     if args.plot:
         from karma_fx.report import plot_timeline
 
-        title = f"{plan.model} · {plan.strategy} · budget {format_bytes(plan.budget_bytes)} · {mode}"
+        title = f"{plan.model} · {plan.strategy} · budget {format_bytes(plan.budget_bytes)} · {subtitle}"
         _write(args.plot, "plot", lambda p: plot_timeline(planned.timeline, p, budget_bytes=plan.budget_bytes,
                                                           title=title))
     if args.trace:
         from karma_fx.report import write_chrome_trace
 
         _write(args.trace, "trace", lambda p: write_chrome_trace(planned.timeline, p, name=plan.model))
-    return 0
 
 
 def _cluster(args: argparse.Namespace) -> Any:
