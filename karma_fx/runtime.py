@@ -159,6 +159,12 @@ def is_host_tier(t: torch.Tensor) -> bool:
 
 # ---- CPU copy engines: worker threads with futures as events ------------------------------------------------
 _mode = os.environ.get(COPY_MODE_ENV, "sync")
+if _mode not in ("sync", "threads"):  # a typo must not pass unnoticed; importing must not fail either
+    import logging
+
+    logging.getLogger("karma_fx.runtime").warning("karma_fx: %s=%r is neither 'sync' nor 'threads'; copying "
+                                                  "synchronously", COPY_MODE_ENV, _mode)
+    _mode = "sync"
 _workers: dict[str, ThreadPoolExecutor] = {}
 _delay_s = {"d2h": 0.0, "h2d": 0.0}
 
@@ -168,7 +174,9 @@ def copy_mode(mode: str) -> Iterator[None]:
     """Run CPU copies ``"sync"`` (default) or on worker ``"threads"`` (one per direction, as CUDA streams)."""
     global _mode
     if mode not in ("sync", "threads"):
-        raise ValueError(f"copy mode must be 'sync' or 'threads', got {mode!r}")
+        from karma_fx.errors import KarmaError
+
+        raise KarmaError(f"copy mode must be 'sync' or 'threads', got {mode!r}")
     previous, _mode = _mode, mode
     try:
         yield
