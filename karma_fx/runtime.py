@@ -160,10 +160,10 @@ def is_host_tier(t: torch.Tensor) -> bool:
 # ---- CPU copy engines: worker threads with futures as events ------------------------------------------------
 _mode = os.environ.get(COPY_MODE_ENV, "sync")
 if _mode not in ("sync", "threads"):  # a typo must not pass unnoticed; importing must not fail either
-    import logging
+    import warnings
 
-    logging.getLogger("karma_fx.runtime").warning("karma_fx: %s=%r is neither 'sync' nor 'threads'; copying "
-                                                  "synchronously", COPY_MODE_ENV, _mode)
+    warnings.warn(f"karma_fx: {COPY_MODE_ENV}={_mode!r} is neither 'sync' nor 'threads'; copying synchronously",
+                  stacklevel=2)
     _mode = "sync"
 _workers: dict[str, ThreadPoolExecutor] = {}
 _delay_s = {"d2h": 0.0, "h2d": 0.0}
