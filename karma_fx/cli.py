@@ -245,7 +245,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planned = prepared.plan(args.budget, args.strategy, offload_weights=args.offload_weights)
     plan = planned.plan
     max_rows = None if args.max_rows is not None and args.max_rows < 0 else args.max_rows
-    print(f"{args.model} ({args.size}) on {device_name}, budget {args.budget} = {format_bytes(plan.budget_bytes)}")
+    where = plan.device if args.costs == "measured" else device_name  # measured costs: this machine, not a preset
+    print(f"{args.model} ({args.size}) on {where}, budget {args.budget} = {format_bytes(plan.budget_bytes)}")
     print()
     print(plan.table(max_rows=max_rows))
     seconds = planned.seconds
