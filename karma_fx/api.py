@@ -22,7 +22,7 @@ from karma_fx.plan import Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline, simulate
 from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
-from karma_fx.strategies.base import leanest_peak
+from karma_fx.strategies.leanest import leanest_peak
 
 
 @dataclass

@@ -80,7 +80,7 @@ class Region:
         """The smallest budget known to work for this region alone (its leanest plan's peak)."""
         if self.leanest is not None:
             return self.leanest.fp.peak_bytes
-        from karma_fx.strategies.base import leanest_peak
+        from karma_fx.strategies.leanest import leanest_peak
 
         p = self.prepared
         return leanest_peak(p.problem, p.costs, stream_weights=self.offload_weights)
@@ -265,7 +265,7 @@ class Session:
 
     def _leanest(self, region: Region) -> Variant:
         if region.leanest is None:
-            from karma_fx.strategies.base import leanest_decisions
+            from karma_fx.strategies.leanest import leanest_decisions
 
             p = region.prepared
             decisions = leanest_decisions(p.problem, p.costs, stream_weights=self.config.offload_weights)

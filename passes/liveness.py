@@ -17,9 +17,8 @@ Example::
 from __future__ import annotations
 
 import operator
-from typing import Any, Container, Iterator
+from typing import Any, Iterator
 
-import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -27,6 +26,9 @@ from karma_fx.errors import UnsupportedModelError
 from karma_fx.passes.capture import CapturedStep
 from karma_fx.passes.op_stats import is_random, node_bytes_accessed, node_dtype, node_flops
 from karma_fx.problem import Op, Problem, Storage
+# The dependency queries live next to ``Problem`` (strategies ask them without importing the passes); they are
+# re-exported here for the callers that always found them in this module.
+from karma_fx.dependencies import dependency_graph, recompute_ops  # noqa: F401
 
 
 def _forward_nodes(step: CapturedStep) -> set[fx.Node]:
@@ -237,48 +239,3 @@ def _cut_points(ops: list[Op], storages: list[Storage], num_fwd_ops: int) -> tup
             cuts.append(i)
         suffix_min = min(suffix_min, earliest_read[i])
     return tuple(sorted(cuts))
-
-
-def dependency_graph(problem: Problem) -> nx.DiGraph:
-    """Bipartite DiGraph: storage → op that reads it, op → storage it makes (nodes ``("s", name)``/``("o", i)``)."""
-    g = nx.DiGraph()
-    for i, op in enumerate(problem.ops):
-        g.add_node(("o", i))
-        for s in op.inputs:
-            g.add_edge(("s", s), ("o", i))
-        for s in op.outputs:
-            g.add_edge(("o", i), ("s", s))
-    return g
-
-
-def recompute_ops(problem: Problem, targets: list[str] | tuple[str, ...], resident: Container[str],
-                  graph: nx.DiGraph | None = None) -> tuple[int, ...]:
-    """The ops to re-run, in execution order, to rebuild ``targets`` from the ``resident`` storages.
-
-    Raises ``ValueError`` if that needs an op that must not run twice (random, mutating) or a graph input
-    that is not resident.
-    """
-    g = graph if graph is not None else dependency_graph(problem)
-    # Walk producers backwards from each target and stop at resident storages: the work is proportional to
-    # the chain, not the graph (a filtered networkx view would re-count the whole graph at every step).
-    needed: set[int] = set()
-    seen: set[tuple[str, object]] = set()
-    stack = [("s", t) for t in targets if t not in resident]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node[0] == "s":
-            if node[1] in resident:
-                continue
-            if problem.storage(node[1]).producer is None:
-                raise ValueError(f"rebuilding {list(targets)} needs graph input {node[1]}, which is not resident")
-        else:
-            needed.add(node[1])
-        stack.extend(g.predecessors(node))
-    for i in needed:
-        if not problem.ops[i].recomputable:
-            raise ValueError(f"rebuilding {targets} would re-run {problem.ops[i].name} "
-                             f"({'random' if problem.ops[i].random else 'mutating'})")
-    return tuple(sorted(needed))

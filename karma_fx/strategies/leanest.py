@@ -1,0 +1,52 @@
+"""The leanest plans known: the floor quoted when a budget is infeasible, and the exact planner's last resort.
+
+They combine the building blocks of ``base`` with ``torch_budget``'s grouped recomputes and ``weights``'
+streams, so they live above all three rather than inside ``base`` (which every strategy imports).
+"""
+from __future__ import annotations
+
+from karma_fx.costs import Costs
+from karma_fx.plan import Decision, Offload
+from karma_fx.problem import Problem
+from karma_fx.strategies.base import RecomputeBuilder, offload_for, reconcile, saved_gaps, timeline_of
+from karma_fx.strategies.torch_budget import decisions_for_saved
+from karma_fx.strategies.weights import weight_streams
+
+
+def leanest_swaps(problem: Problem) -> tuple[Offload, ...]:
+    """The leanest activation plan: every saved activation swapped out synchronously right after its last
+    forward read and fetched back just in time."""
+    return tuple(offload_for(problem, g, release=True) for g in saved_gaps(problem))
+
+
+def leanest_recomputes(problem: Problem) -> tuple[Decision, ...]:
+    """The leanest plan without a host link: every recomputable saved activation dropped after its last
+    forward read and rebuilt, grouped by the backward op that first needs it (what is rebuilt for one group
+    stays until its last read)."""
+    return reconcile(problem, decisions_for_saved(problem, frozenset(), RecomputeBuilder(problem)))
+
+
+def leanest_moves(problem: Problem, costs: Costs) -> tuple[Decision, ...]:
+    """``leanest_swaps`` where the costs allow offloading, ``leanest_recomputes`` where they do not."""
+    return leanest_swaps(problem) if costs.allow_offload else leanest_recomputes(problem)
+
+
+def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> tuple[Decision, ...]:
+    """The decisions of the leanest plan known: every saved activation swapped out synchronously right after
+    its last forward read and fetched back just in time (``leanest_swaps``), or nothing where that peaks
+    higher; with ``stream_weights`` also every weight streamed and every gradient sent to the host. Without a
+    host link (``costs.allow_offload`` false): every recomputable saved activation rebuilt, or nothing."""
+    if not costs.allow_offload:
+        options_ro: list[tuple[Decision, ...]] = [leanest_recomputes(problem), ()]
+        return min(options_ro, key=lambda d: timeline_of(problem, costs, d).peak_bytes)
+    swaps = leanest_swaps(problem)
+    if stream_weights:
+        options: list[tuple[Decision, ...]] = [swaps + weight_streams(problem, swaps), weight_streams(problem)]
+    else:
+        options = [swaps, ()]
+    return min(options, key=lambda d: timeline_of(problem, costs, d).peak_bytes)
+
+
+def leanest_peak(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> int:
+    """The peak of the leanest plan (``leanest_decisions``): the floor quoted when a budget is infeasible."""
+    return timeline_of(problem, costs, leanest_decisions(problem, costs, stream_weights=stream_weights)).peak_bytes
