@@ -19,7 +19,7 @@ import warnings
 from typing import Any
 
 from karma_fx.api import prepare
-from karma_fx.strategies.bound import lower_bound_us
+from karma_fx.strategies.cpsat.bound import lower_bound_us
 from karma_fx.budget import format_bytes, parse_budget
 from karma_fx.errors import KarmaError
 from karma_fx.report import compare_table

@@ -31,7 +31,7 @@ class Costs:
     device: str
     allow_offload: bool = True
     """False: no host link to use (recompute-only planning, Checkmate's problem). Every strategy then plans
-    keep / recompute only, and the lower bound (``strategies/bound.py``) leaves copies out of its relaxation."""
+    keep / recompute only, and the lower bound (``strategies/cpsat/bound.py``) leaves copies out of its relaxation."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_time_us", tuple(float(t) for t in self.op_time_us))

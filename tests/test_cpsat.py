@@ -6,7 +6,7 @@ import pytest
 from karma_fx.plan import Offload
 from karma_fx.simulate import simulate
 from karma_fx.strategies import CpSat, SolverOptions, make_strategy
-from karma_fx.strategies.cpsat_model import candidates
+from karma_fx.strategies.cpsat.model import candidates
 
 from conftest import prepared
 from helpers import chain_problem, flat_costs
@@ -100,7 +100,7 @@ def test_plans_are_reproducible():
 def test_lower_bound_is_tight_on_the_chain(bytes_per_us, optimum):
     """The bound reaches the known optima above (offload with a 1 µs stall; recompute A for 10 µs), and no
     budget below what removing every saved activation reaches is called feasible."""
-    from karma_fx.strategies.bound import lower_bound_us
+    from karma_fx.strategies.cpsat.bound import lower_bound_us
 
     p = chain_problem()
     costs = flat_costs(p, bytes_per_us=bytes_per_us)
@@ -114,7 +114,7 @@ def test_lower_bound_is_tight_on_the_chain(bytes_per_us, optimum):
 
 def test_a_window_replaces_a_stalling_swap_by_the_recompute_it_can_afford():
     from karma_fx.plan import Recompute
-    from karma_fx.strategies.cpsat_window import refine_in_windows, window_candidates
+    from karma_fx.strategies.cpsat.window import refine_in_windows, window_candidates
 
     p = chain_problem()
     slow = flat_costs(p, bytes_per_us=10.0)  # copying A takes 100 µs, rebuilding it 10 µs

@@ -8,13 +8,13 @@ import json
 import pytest
 
 from karma_fx.errors import KarmaError
-from karma_fx.external import (GraphFormatError, graph_costs, prepare_graph, random_layered_graph,
+from karma_fx.external import (GraphFormatError, from_node_link, graph_costs, prepare_graph, random_layered_graph,
                                read_node_link)
 from karma_fx.plan import Offload, Recompute
-from karma_fx.problem import Op, Problem, Storage, from_node_link
+from karma_fx.problem import Op, Problem, Storage
 from karma_fx.simulate import simulate
 from karma_fx.strategies import HEURISTICS, make_strategy
-from karma_fx.strategies.bound import lower_bound_us
+from karma_fx.strategies.cpsat.bound import lower_bound_us
 
 # x -> h -> loss (forward); g_loss reads loss and h; g_h reads g_loss and x.
 FIVE = {

@@ -9,7 +9,7 @@ from karma_fx.plan import Recompute
 from karma_fx.simulate import simulate
 from karma_fx.strategies import CpSat, SolverOptions, make_strategy
 from karma_fx.strategies.base import offload_for, saved_gaps
-from karma_fx.strategies.bound import lower_bound_us
+from karma_fx.strategies.cpsat.bound import lower_bound_us
 
 from helpers import random_costs, random_problem
 

@@ -1,5 +1,5 @@
 """The exact planner's refinement: the tensor-level CP-SAT model re-solved inside a window of candidates,
-everything outside pinned to the incumbent plan (``shared/research/cpsat.md``, "window").
+everything outside pinned to the incumbent plan (a model whose size does not grow with the graph).
 
 The whole-graph model does not scale past a few hundred candidates and cannot express the grouped recomputes
 the heuristics build, so it rarely beats them there. A window can: the incumbent's decisions outside it stay
@@ -25,7 +25,9 @@ from karma_fx.plan import Decision, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
 from karma_fx.strategies.base import reconcile, timeline_of
-from karma_fx.strategies.cpsat_model import Candidate
+from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
+from karma_fx.strategies.cpsat.model import Candidate
+from karma_fx.strategies.cpsat.options import SolverOptions
 
 
 def per_op_memory(problem: Problem, timeline: Timeline) -> list[int]:
@@ -71,12 +73,10 @@ def window_candidates(problem: Problem, window: list[Candidate], outside: Sequen
 
 def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbent: tuple[Decision, ...],
                       incumbent_us: float, cands: list[Candidate], *, size: int, max_windows: int,
-                      options) -> tuple[tuple[Decision, ...], list[str]]:
+                      options: SolverOptions) -> tuple[tuple[Decision, ...], list[str]]:
     """Re-solve up to ``max_windows`` windows of ``size`` candidates, the last-produced first (their tensors
     are the ones alive at the forward/backward turn, where the peak is), around ``incumbent`` (simulated step
     ``incumbent_us``); return the improved decisions and a note per window."""
-    from karma_fx.strategies.cpsat import Model, choices_from_plan
-
     ordered = sorted(cands, key=lambda c: (c.producer, c.name))
     current, best_us = incumbent, incumbent_us
     notes: list[str] = []

@@ -32,7 +32,7 @@ from typing import Sequence
 from karma_fx.costs import Costs
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import _alive_at, saved_gaps
-from karma_fx.strategies.cpsat_capacity import spread_evenly
+from karma_fx.strategies.cpsat.capacity import spread_evenly
 
 MAX_AWAY_VARIABLES = 60_000
 _EXTRA = 1e-6  # GLOP's tolerances: the bound is taken a hair below the LP optimum

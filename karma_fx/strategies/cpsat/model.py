@@ -1,6 +1,7 @@
 """The exact planner's model: candidates and their options as plain data, then one CP-SAT model over them.
 
-Formulation (see ``shared/research/cpsat.md`` for why this shape scales and the alternatives that did not):
+Formulation (it is "F" of the probe that compared CP-SAT formulations: all linear, with a tight LP bound,
+where interval variables with enforcement literals gave a flat bound and no plan at 48 layers):
 
 * the compute order is the traced order; positions are ops;
 * each candidate (a saved activation) is kept, recomputed from what the unplanned step still holds at its
@@ -18,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from karma_fx.costs import Costs
-from karma_fx.passes.liveness import dependency_graph, recompute_ops
+from karma_fx.dependencies import dependency_graph, recompute_ops
 from karma_fx.plan import Decision, Offload, Recompute
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import ResidentAt, _alive_at, saved_gaps
+from karma_fx.strategies.cpsat.choice import KEEP, RECOMPUTE, Choice, Kind
 
 MEMORY_UNIT = 64 * 1024
 TIME_SCALE = 10  # model time unit: 0.1 µs
@@ -90,19 +92,21 @@ def chain_time(costs: Costs, cand: Candidate) -> float:
     return sum(costs.op_time_us[i] for i in cand.chain or ())
 
 
-def decisions_from(problem: Problem, chosen: dict[str, tuple]) -> tuple[Decision, ...]:
+def decisions_from(problem: Problem, chosen: dict[Candidate, Choice]) -> tuple[Decision, ...]:
     """Decisions in the order the runtime issues them: offloads by (producer, name) so the D2H FIFO matches,
     then (stable) prefetch order is by reload position, which the model keeps monotone in issue position."""
     ops = problem.ops
     out: list[Decision] = []
-    offloads = sorted(((c, r, p) for c, (kind, r, p) in chosen.items() if kind == "offload"),
+    offloads = sorted(((c, x) for c, x in chosen.items() if x.kind is Kind.OFFLOAD),
                       key=lambda e: (e[0].first_bwd, e[0].name))
-    for c, r, p in offloads:
+    for c, x in offloads:
+        assert x.release is not None and x.prefetch is not None
         out.append(Offload(tensor=c.name, offload_after=ops[c.producer].name, free_after=ops[c.last_fwd].name,
-                           prefetch_at=ops[p].name, reload_before=ops[c.first_bwd].name, release_before=ops[r].name))
+                           prefetch_at=ops[x.prefetch].name, reload_before=ops[c.first_bwd].name,
+                           release_before=ops[x.release].name))
     # Recomputes at the same op run in production order, so a chain finds the tensors it reads rebuilt.
-    for c, (kind, _, _) in sorted(chosen.items(), key=lambda e: (e[0].first_bwd, e[0].producer, e[0].name)):
-        if kind == "recompute":
+    for c, x in sorted(chosen.items(), key=lambda e: (e[0].first_bwd, e[0].producer, e[0].name)):
+        if x.kind is Kind.RECOMPUTE:
             out.append(Recompute(tensors=(c.name,), ops=tuple(ops[i].name for i in c.chain or ()),
                                  reload_before=ops[c.first_bwd].name))
     return tuple(out)
@@ -119,31 +123,31 @@ class DecisionVars:
     pre: dict
     created: list
 
-    def literals(self, cands: list[Candidate], choices: dict[str, tuple]) -> list:
+    def literals(self, cands: list[Candidate], choices: dict[str, Choice]) -> list:
         """Literals fixing every candidate to ``choices`` (missing: keep)."""
         out = []
         for c in cands:
-            choice = choices.get(c.name, ("keep",))
-            if choice[0] == "offload":
-                out += [self.off[c.name], self.rel[c.name][choice[1]], self.pre[c.name][choice[2]]]
-            elif choice[0] == "recompute" and c.name in self.rec:
+            choice = choices.get(c.name, KEEP)
+            if choice.kind is Kind.OFFLOAD:
+                out += [self.off[c.name], self.rel[c.name][choice.release], self.pre[c.name][choice.prefetch]]
+            elif choice.kind is Kind.RECOMPUTE and c.name in self.rec:
                 out.append(self.rec[c.name])
             else:
                 out.append(self.keep[c.name])
         return out
 
-    def read(self, cands: list[Candidate], value) -> dict[str, tuple]:
+    def read(self, cands: list[Candidate], value) -> dict[str, Choice]:
         """The choices of a solution (``value`` maps a literal to 0/1)."""
-        choices: dict[str, tuple] = {}
+        choices: dict[str, Choice] = {}
         for c in cands:
             if value(self.off[c.name]):
                 r = next(r for r, v in self.rel[c.name].items() if value(v))
                 p = next(p for p, v in self.pre[c.name].items() if value(v))
-                choices[c.name] = ("offload", r, p)
+                choices[c.name] = Choice.offload(r, p)
             elif c.name in self.rec and value(self.rec[c.name]):
-                choices[c.name] = ("recompute",)
+                choices[c.name] = RECOMPUTE
             else:
-                choices[c.name] = ("keep",)
+                choices[c.name] = KEEP
         return choices
 
 

@@ -1,0 +1,30 @@
+"""The exact planner's knobs, in one frozen value: time, workers, and the sizes above which a phase is skipped."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from karma_fx.strategies.cpsat.model import MEMORY_UNIT
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    time_limit_s: float = 20.0
+    workers: int = 2
+    seed: int = 0
+    max_candidates: int = 200
+    """Above this many candidates the whole-graph CP-SAT models are not built; the best heuristic is returned
+    with the LP bound. Measured (bench/compare.py, H100 spec, 0.7 to 0.25): they improved on the heuristics at
+    wrn28_10 (63 candidates) and resnet50 (105), never at gpt2 (221) or bert (239), where they cost ~60 s a
+    plan for nothing."""
+    memory_unit_bytes: int = MEMORY_UNIT
+    """Granularity of the memory constraints; candidates smaller than this stay on the device."""
+    good_enough_gap: float = 0.01
+    """Skip the CP-SAT models when the best heuristic is proven within this fraction of the LP bound."""
+    window_size: int = 30
+    max_windows: int = 4
+    """The rolling-window refinement (``window.py``): at most this many windows of ``window_size``
+    candidates are re-solved around the best plan."""
+    max_window_ops: int = 2000
+    """No windows on graphs with more ops: each window model times every op. Measured (bench/compare.py):
+    windows gained on resnet50 (403 ops) and resnet200 (1553), never on megatron_gpt (2755), where they
+    cost ~25 s a plan, nor on any transformer; with them cpsat took 182 s on gpt2 with 48 layers (3545 ops)."""
