@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from karma_fx.api import Prepared
     from karma_fx.device import DeviceSpec
 
-__all__ = ["GraphFormatError", "ExternalGraph", "read_node_link", "graph_costs", "prepare_graph",
+__all__ = ["GraphFormatError", "ExternalGraph", "read_node_link", "from_node_link", "graph_costs", "prepare_graph",
            "random_layered_graph"]
 
 CPU_TAGS = ("cost_cpu", "duration")
@@ -243,6 +243,13 @@ def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | N
     problem = Problem(ops=tuple(ops), storages=tuple(storages), num_fwd_ops=num_fwd,
                       cut_points=_cut_points(ops, num_fwd), name=label)
     return ExternalGraph(problem=problem, op_time_us=times, node_ids=tuple(order))
+
+
+def from_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | None = None) -> Problem:
+    """The ``Problem`` of a node-link training graph (a dict, or a path to its file): ``read_node_link``'s
+    problem without its node times (``graph_costs`` or ``prepare_graph`` use those). It lives here, not in
+    ``problem.py``, so the plain-data ``Problem`` depends on no reader. Raises ``GraphFormatError``."""
+    return read_node_link(source, name=name).problem
 
 
 def _cut_points(ops: list[Op], num_fwd: int) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ that holds it, and every node that reads any alias of it counts as a user of tha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 Phase = Literal["fwd", "bwd"]
 StorageKind = Literal["param", "buffer", "input", "tangent", "activation", "gradient", "temp"]
@@ -118,14 +118,3 @@ class Problem:
     @property
     def param_bytes(self) -> int:
         return sum(s.size_bytes for s in self.storages if s.kind == "param")
-
-
-def from_node_link(source: Any, *, name: str | None = None) -> Problem:
-    """The ``Problem`` of a training graph written as networkx node-link JSON in the Checkmate / Moccasin
-    format (a dict, or a path to its file): one op per node, in execution order, making one storage of the
-    node's ``cost_ram`` bytes. The node times (``cost_cpu``) are not part of a problem: read them with
-    ``karma_fx.external.read_node_link`` (which this calls) or plan through ``karma_fx.external.prepare_graph``.
-    Raises ``karma_fx.external.GraphFormatError`` (a ``KarmaError``) on a malformed graph."""
-    from karma_fx.external import read_node_link
-
-    return read_node_link(source, name=name).problem
