@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from karma_fx.budget import format_bytes
+from karma_fx.schedule import MAX_NAMES, ScheduleRow, schedule_table
+
 SCHEMA_VERSION = 2
 """2 added the weights-out-of-core decisions (``stream_weight``, ``grad_to_host``)."""
 READABLE_VERSIONS = (1, 2)
@@ -85,19 +88,6 @@ Decision = Union[Offload, Recompute, StreamWeight, GradToHost]
 
 
 @dataclass(frozen=True)
-class ScheduleRow:
-    """One op of the simulated step at which something happens."""
-
-    op: str
-    offload: tuple[str, ...] = ()
-    prefetch: tuple[str, ...] = ()
-    recompute: tuple[str, ...] = ()
-    free: tuple[str, ...] = ()
-    device_bytes: int = 0
-    stall_us: float = 0.0
-
-
-@dataclass(frozen=True)
 class Plan:
     """A strategy's answer for one model, device and budget, with the simulator's verdict on it."""
 
@@ -150,11 +140,48 @@ class Plan:
     def replace(self, **changes: Any) -> "Plan":
         return dataclasses.replace(self, **changes)
 
-    def table(self, max_rows: int | None = 60) -> str:
-        """The schedule as a text table (tabulate) with a summary; see ``karma_fx.report``."""
-        from karma_fx.report import plan_table
+    def table(self, max_rows: int | None = 60, *, max_names: int | None = MAX_NAMES, tablefmt: str = "simple") -> str:
+        """The schedule, one row per op where something happens (``karma_fx.schedule.schedule_table``), then
+        the ``summary``. Only the plan's own fields are read, so a plan loaded with ``Plan.load`` prints exactly
+        as it did when it was made."""
+        return schedule_table(self.schedule, self.summary(), max_rows, max_names=max_names, tablefmt=tablefmt)
 
-        return plan_table(self, max_rows=max_rows)
+    def summary(self) -> list[tuple[str, str]]:
+        """Key/value lines under the table; every simulated field may be ``None`` (an unsimulated plan)."""
+        lines: list[tuple[str, str]] = [("strategy", f"{self.strategy} ({self.status})")]
+        lines.append(("model", self.model or _DASH))
+        lines.append(("device", self.device or _DASH))
+        step = _ms(self.step_time_us)
+        if self.slowdown is not None:
+            step += f"  ({self.slowdown:.3f}x the unlimited-memory {_ms(self.unlimited_step_time_us)})"
+        lines.append(("step time", step))
+        if self.lower_bound_us is not None:
+            lines.append(("lower bound", _ms(self.lower_bound_us)))
+        stall_us = sum(r.stall_us for r in self.schedule)
+        if stall_us:
+            lines.append(("stalls", _ms(stall_us)))
+        peak = f"{format_bytes(self.peak_bytes)} of {format_bytes(self.budget_bytes)} budget"
+        if self.peak_bytes is None:
+            peak += " (not simulated)"
+        elif self.fits:
+            peak += " (fits)"
+        else:
+            peak += f" (OVER by {format_bytes(self.peak_bytes - self.budget_bytes)})"
+        if self.unplanned_peak_bytes:
+            peak += f"; unplanned peak {format_bytes(self.unplanned_peak_bytes)}"
+            if self.peak_bytes is not None:
+                peak += f" ({self.peak_bytes / self.unplanned_peak_bytes:.0%})"
+        lines.append(("peak", peak))
+        lines.append(("host memory", format_bytes(self.host_peak_bytes)))
+        n_recomputed = sum(len(r.tensors) for r in self.recomputes)
+        lines.append(("decisions", f"{_count(len(self.offloads), 'offload')}, "
+                                   f"{_count(len(self.recomputes), 'recompute group')} "
+                                   f"({_count(n_recomputed, 'tensor')} recomputed)"
+                                   + (f", {_count(len(self.streamed_weights), 'weight')} streamed from the host, "
+                                      f"{_count(len(self.grads_to_host), 'gradient')} sent to it"
+                                      if self.streamed_weights or self.grads_to_host else "")))
+        lines += [("notes" if i == 0 else "", note) for i, note in enumerate(self.notes)]
+        return lines
 
     # ---- JSON ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -238,6 +265,17 @@ class Plan:
             return cls.from_json(raw)
         except PlanFormatError as exc:
             raise PlanFormatError(f"{path}: {exc}") from None
+
+
+_DASH = "-"
+
+
+def _ms(us: float | None) -> str:
+    return _DASH if us is None else f"{us / 1e3:,.3f} ms"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 _KINDS = {"offload": "Offload", "recompute": "Recompute", "stream_weight": "StreamWeight",

@@ -1,4 +1,5 @@
-"""Human-facing views of a plan: text tables, a Chrome/Perfetto trace and a matplotlib timeline.
+"""Human-facing views of a plan: text tables (a plan's own is ``Plan.table``), a Chrome/Perfetto trace
+and a matplotlib timeline.
 
 Nothing on the solve path imports this module: planning must not pay for tabulate formatting or matplotlib
 (which is imported lazily, only when a plot is drawn). Every view reads only the ``Plan`` (which may have been
@@ -14,126 +15,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from tabulate import tabulate
 
 from karma_fx.budget import format_bytes
 from karma_fx.errors import KarmaError
-from karma_fx.plan import Plan, ScheduleRow
+from karma_fx.plan import Plan
+from karma_fx.schedule import MAX_NAMES
 from karma_fx.simulate import Interval, Timeline
 
 __all__ = ["chrome_trace", "compare_table", "plan_table", "plot_timeline", "write_chrome_trace"]
 
-_MAX_NAMES = 2
-_MAX_CHARS = 28
-"""Tensor names shown per prefetch/recompute/free cell before "+N more": a recompute group can drop dozens
-of tensors and would make the row wrap. The offload column is never elided: it is the decision itself, and
-the other columns only repeat its names (prefetch) or follow from the recompute groups in the summary."""
 _DASH = "-"
 
 
-# ---- plan table --------------------------------------------------------------------------------------------
-def _names(names: Sequence[str], limit: int | None = _MAX_NAMES, max_chars: int = _MAX_CHARS) -> str:
-    """Comma-join tensor names, eliding past ``limit`` names or ``max_chars`` characters (always showing at
-    least one name) so one busy op cannot blow up the column width; the JSON plan has the full lists."""
-    if limit is None:
-        return ", ".join(names)
-    shown: list[str] = []
-    for name in names:
-        if shown and (len(shown) >= limit or len(", ".join(shown + [name])) > max_chars):
-            break
-        shown.append(name)
-    rest = len(names) - len(shown)
-    return ", ".join(shown) + (f", +{rest} more" if rest else "")
-
-
-def _row_cells(row: ScheduleRow, max_names: int | None) -> list[str]:
-    stall = f"{row.stall_us:,.1f}" if row.stall_us else ""
-    return [row.op, ", ".join(row.offload), _names(row.prefetch, max_names), _names(row.recompute, max_names),
-            _names(row.free, max_names),
-            format_bytes(row.device_bytes), stall]
-
-
-def _ms(us: float | None) -> str:
-    return _DASH if us is None else f"{us / 1e3:,.3f} ms"
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def _summary(plan: Plan) -> list[tuple[str, str]]:
-    """Key/value lines under the table; every simulated field may be ``None`` (an unsimulated plan)."""
-    lines: list[tuple[str, str]] = [("strategy", f"{plan.strategy} ({plan.status})")]
-    lines.append(("model", plan.model or _DASH))
-    lines.append(("device", plan.device or _DASH))
-    slowdown = plan.slowdown
-    step = _ms(plan.step_time_us)
-    if slowdown is not None:
-        step += f"  ({slowdown:.3f}x the unlimited-memory {_ms(plan.unlimited_step_time_us)})"
-    lines.append(("step time", step))
-    if plan.lower_bound_us is not None:
-        lines.append(("lower bound", _ms(plan.lower_bound_us)))
-    stall_us = sum(r.stall_us for r in plan.schedule)
-    if stall_us:
-        lines.append(("stalls", _ms(stall_us)))
-    peak = f"{format_bytes(plan.peak_bytes)} of {format_bytes(plan.budget_bytes)} budget"
-    if plan.peak_bytes is None:
-        peak += " (not simulated)"
-    elif plan.fits:
-        peak += " (fits)"
-    else:
-        peak += f" (OVER by {format_bytes(plan.peak_bytes - plan.budget_bytes)})"
-    if plan.unplanned_peak_bytes:
-        peak += f"; unplanned peak {format_bytes(plan.unplanned_peak_bytes)}"
-        if plan.peak_bytes is not None:
-            peak += f" ({plan.peak_bytes / plan.unplanned_peak_bytes:.0%})"
-    lines.append(("peak", peak))
-    lines.append(("host memory", format_bytes(plan.host_peak_bytes)))
-    n_recomputed = sum(len(r.tensors) for r in plan.recomputes)
-    lines.append(("decisions", f"{_count(len(plan.offloads), 'offload')}, "
-                               f"{_count(len(plan.recomputes), 'recompute group')} "
-                               f"({_count(n_recomputed, 'tensor')} recomputed)"
-                               + (f", {_count(len(plan.streamed_weights), 'weight')} streamed from the host, "
-                                  f"{_count(len(plan.grads_to_host), 'gradient')} sent to it"
-                                  if plan.streamed_weights or plan.grads_to_host else "")))
-    for i, note in enumerate(plan.notes):
-        lines.append(("notes" if i == 0 else "", note))
-    return lines
-
-
-def plan_table(plan: Plan, max_rows: int | None = 60, *, max_names: int | None = _MAX_NAMES,
+def plan_table(plan: Plan, max_rows: int | None = 60, *, max_names: int | None = MAX_NAMES,
                tablefmt: str = "simple") -> str:
-    """The plan's schedule, one row per op where something happens, followed by a summary.
-
-    Only ``plan``'s own fields are read, so a plan loaded with ``Plan.load`` prints exactly as it did when it
-    was made. With more than ``max_rows`` schedule rows, the first and last ones are shown around a
-    "… N more rows …" line (``None``: show all), since the interesting parts are usually the start of the
-    forward pass and the end of the backward pass. Prefetch/recompute/free cells list at most ``max_names``
-    tensors (``None``: all); offloaded tensors are always listed in full.
-    """
-    headers = ["op", "offload", "prefetch", "recompute", "free", "device bytes", "stall µs"]
-    rows = list(plan.schedule)
-    body: list[list[str]] = []
-    limit = None if max_rows is None else max(max_rows, 0)
-    if limit is not None and len(rows) > limit:
-        head, tail = (limit + 1) // 2, limit // 2
-        body += [_row_cells(r, max_names) for r in rows[:head]]
-        body.append([f"… {len(rows) - head - tail} more rows …"] + [""] * (len(headers) - 1))
-        body += [_row_cells(r, max_names) for r in rows[len(rows) - tail:]]
-    else:
-        body = [_row_cells(r, max_names) for r in rows]
-    parts: list[str] = []
-    if body:
-        parts.append(tabulate(body, headers=headers, tablefmt=tablefmt, disable_numparse=True))
-    else:
-        parts.append("(no schedule rows: nothing is offloaded, recomputed or waited for)")
-    parts.append("")
-    summary = _summary(plan)
-    width = max(len(k) for k, _ in summary)
-    parts += [f"{k:<{width}}  {v}" for k, v in summary]
-    return "\n".join(parts)
+    """The plan's schedule and summary as text: ``Plan.table`` (the plan draws its own table, so that
+    ``plan.py`` needs nothing from this module)."""
+    return plan.table(max_rows, max_names=max_names, tablefmt=tablefmt)
 
 
 # ---- Chrome / Perfetto trace ----------------------------------------------------------------------------
