@@ -124,22 +124,30 @@ def paused_gc() -> Iterator[None]:
 
 
 def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, detail: bool) -> Timeline:
+    """The replay, phase by phase: check the decisions, lay out the compute sequence, place each decision's
+    events on it, follow every storage's stays on the device, time the three streams, count the memory."""
     decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
+    if len(costs.op_time_us) != len(problem.ops):
+        raise InvalidPlanError(f"costs describe {len(costs.op_time_us)} ops, the problem has {len(problem.ops)}")
+    _check_decisions(problem, decisions)
+    seq = _sequence(problem, [d for d in decisions if isinstance(d, Recompute)])
+    events = _events(problem, decisions, seq)
+    stays = _stays(problem, decisions, seq, events)
+    streams = _timing(problem, costs, seq, events, stays)
+    return _timeline(problem, costs, seq, events, stays, streams, detail)
+
+
+def _op_at(problem: Problem, name: str, what: str) -> int:
+    try:
+        return problem.op_index(name)
+    except KeyError:
+        raise InvalidPlanError(f"{what}: no op named {name!r} in {problem.name}") from None
+
+
+# ---- 0. the decisions themselves ------------------------------------------------------------------------
+def _check_decisions(problem: Problem, decisions: tuple[Decision, ...]) -> None:
+    """What a decision says on its own must hold: the tensors exist and may move the way it moves them."""
     ops = problem.ops
-    n_ops = len(ops)
-    if len(costs.op_time_us) != n_ops:
-        raise InvalidPlanError(f"costs describe {len(costs.op_time_us)} ops, the problem has {n_ops}")
-
-    def op_at(name: str, what: str) -> int:
-        try:
-            return problem.op_index(name)
-        except KeyError:
-            raise InvalidPlanError(f"{what}: no op named {name!r} in {problem.name}") from None
-
-    offloads = [d for d in decisions if isinstance(d, Offload)]
-    recomputes = [d for d in decisions if isinstance(d, Recompute)]
-    streamed = [d for d in decisions if isinstance(d, StreamWeight)]
-    grads_out = {d.tensor for d in decisions if isinstance(d, GradToHost)}
     for d in decisions:
         if isinstance(d, StreamWeight):
             if problem.has_storage(d.tensor) and problem.storage(d.tensor).kind != "param":
@@ -159,7 +167,7 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
         if isinstance(d, Recompute):
             if not d.ops or not d.tensors:
                 raise InvalidPlanError(f"a recompute before {d.reload_before} must name its tensors and ops")
-            made = {s for name in d.ops for s in ops[op_at(name, "recompute op")].outputs}
+            made = {s for name in d.ops for s in ops[_op_at(problem, name, "recompute op")].outputs}
             for t in d.tensors:
                 st = problem.storage(t)
                 if t not in made or st.producer is None or st.lives_to_end:
@@ -167,10 +175,26 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
                                            + ("it is an input or output of the step" if st.producer is None
                                               or st.lives_to_end else "none of those ops makes it"))
 
-    # ---- 1. the compute sequence: recompute chains just before the op they serve --------------------
+
+# ---- 1. the compute sequence: recompute chains just before the op they serve ----------------------------
+@dataclass
+class _Sequence:
+    items: list[_Item]
+    first_item: list[int]
+    """op → its first item (the first step of a recompute chain before it, or the op itself)."""
+    op_item: list[int]
+    """op → the item that runs the op itself."""
+    group_of: list[int]
+    """item → the op it runs for (a recompute step counts at the op it serves)."""
+    chains_before: dict[int, list[Recompute]]
+
+
+def _sequence(problem: Problem, recomputes: list[Recompute]) -> _Sequence:
+    ops = problem.ops
+    n_ops = len(ops)
     chains_before: dict[int, list[Recompute]] = defaultdict(list)
     for r in recomputes:
-        chains_before[op_at(r.reload_before, "recompute reload_before")].append(r)
+        chains_before[_op_at(problem, r.reload_before, "recompute reload_before")].append(r)
     items: list[_Item] = []
     first_item = [0] * n_ops
     op_item = [0] * n_ops
@@ -178,22 +202,47 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
         first_item[i] = len(items)
         for r in chains_before.get(i, ()):
             for name in r.ops:
-                j = op_at(name, "recompute op")
+                j = _op_at(problem, name, "recompute op")
                 if not ops[j].recomputable:
                     raise InvalidPlanError(f"{name} is {'random' if ops[j].random else 'mutating'}: never recomputed")
                 items.append(_Item(op=j, recompute=r))
         op_item[i] = len(items)
         items.append(_Item(op=i))
-    n_items = len(items)
+    group_of = [0] * len(items)
+    for i in range(n_ops):
+        for k in range(first_item[i], op_item[i] + 1):
+            group_of[k] = i
+    return _Sequence(items, first_item, op_item, group_of, chains_before)
 
-    # ---- 2. gaps: where each storage leaves the device and where it comes back ---------------------
+
+# ---- 2. gaps: where each storage leaves the device and where it comes back -------------------------------
+@dataclass
+class _Events:
+    """Each copy, wait and free of the plan, at the item (or op) where it happens."""
+
+    prefetch_item: dict[int, list[Offload]]  # item → prefetches (and weight windows) issued there
+    offload_after_op: dict[int, list[Offload]]  # op → offloads issued after it
+    wait_before_item: dict[int, list[Offload]]  # item → prefetches compute waits for before it
+    release_before_item: dict[int, list[Offload]]  # item → offloads compute waits for before it
+    free_after_item: dict[int, list[Offload]]  # item → device copies dropped after it
+    streamed_names: set[str]
+
+
+def _events(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence) -> _Events:
+    first_item, op_item = seq.first_item, seq.op_item
+
+    def op_at(name: str, what: str) -> int:
+        return _op_at(problem, name, what)
+
     # gap = (free_after item, reload item, decision); the reload item is where the new instance starts.
     gaps: dict[str, list[tuple[int, int, Decision]]] = defaultdict(list)
-    prefetch_item: dict[int, list[Offload]] = defaultdict(list)  # item index → prefetches issued there
+    prefetch_item: dict[int, list[Offload]] = defaultdict(list)
     offload_after_op: dict[int, list[Offload]] = defaultdict(list)
     wait_before_item: dict[int, list[Offload]] = defaultdict(list)
     release_before_item: dict[int, list[Offload]] = defaultdict(list)
-    for d in offloads:
+    for d in decisions:
+        if not isinstance(d, Offload):
+            continue
         s = problem.storage(d.tensor)
         i_off, i_free = op_at(d.offload_after, "offload_after"), op_at(d.free_after, "free_after")
         i_pf, i_rl = op_at(d.prefetch_at, "prefetch_at"), op_at(d.reload_before, "reload_before")
@@ -214,6 +263,7 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
         wait_before_item[first_item[i_rl]].append(d)
 
     window_loads: list[_WindowLoad] = []
+    streamed = [d for d in decisions if isinstance(d, StreamWeight)]
     for d in streamed:
         last_free = -1
         for n, w in enumerate(d.windows):
@@ -227,7 +277,6 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
             window_loads.append(load)
             prefetch_item[first_item[i_pf]].append(load)  # type: ignore[arg-type]
             wait_before_item[first_item[i_rl]].append(load)  # type: ignore[arg-type]
-    streamed_names = {d.tensor for d in streamed}
 
     free_after_item: dict[int, list[Offload]] = defaultdict(list)
     for load in window_loads:
@@ -239,14 +288,32 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
                 raise InvalidPlanError(f"{sname} has overlapping off-device gaps")
         for free_item, _, d in gs:
             free_after_item[free_item].append(d)  # type: ignore[arg-type]
+    return _Events(prefetch_item, offload_after_op, wait_before_item, release_before_item, free_after_item,
+                   {d.tensor for d in streamed})
 
-    # ---- 3. instances (one per stay on the device) and the reads of each ----------------------------
+
+# ---- 3. instances (one per stay on the device) and the reads of each -------------------------------------
+@dataclass
+class _Stays:
+    instances: list[_Instance]
+    offload_instance: dict[int, int]  # id(offload) → the instance its copy reads
+    prefetched_instance: dict[int, int]  # id(offload) → the instance its prefetch writes
+    grad_copy_after: dict[int, list[int]]  # op → gradient instances copied out after it
+    recompute_frees: dict[int, list[str]]  # op → tensors dropped after it for a recompute
+
+
+def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, events: _Events) -> _Stays:
+    ops = problem.ops
+    n_ops = len(ops)
+    items, first_item, op_item, group_of = seq.items, seq.first_item, seq.op_item, seq.group_of
+    n_items = len(items)
+    grads_out = {d.tensor for d in decisions if isinstance(d, GradToHost)}
     instances: list[_Instance] = []
     reads_of: dict[int, list[int]] = defaultdict(list)
     current: dict[str, int | None] = {}
     arrivals: dict[int, list[str]] = defaultdict(list)
     for st in problem.storages:
-        if st.producer is None and n_ops and st.name not in streamed_names:
+        if st.producer is None and n_ops and st.name not in events.streamed_names:
             arrivals[first_item[min(st.arrives_at, n_ops - 1)]].append(st.name)
 
     size_of = {st.name: st.size_bytes for st in problem.storages}  # a plain dict: faster than storage() here
@@ -262,16 +329,12 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
             current[sname] = None
         return inst
 
-    offload_instance: dict[int, int] = {}  # id(offload) → the instance its copy reads
-    grad_copy_after: dict[int, list[int]] = defaultdict(list)  # op → gradient instances copied out after it
-    recompute_frees: dict[int, list[str]] = defaultdict(list)  # op → tensors dropped after it for a recompute
-    group_of = [0] * n_items
-    for i in range(n_ops):
-        for k in range(first_item[i], op_item[i] + 1):
-            group_of[k] = i
+    offload_instance: dict[int, int] = {}
+    grad_copy_after: dict[int, list[int]] = defaultdict(list)
+    recompute_frees: dict[int, list[str]] = defaultdict(list)
     made: dict[str, int] = {}
-    waited_from: dict[int, tuple[int, Offload]] = {}
-    prefetched_instance: dict[int, int] = {}  # id(offload) → the instance its prefetch writes  # prefetched instance → (item of its wait, decision)
+    waited_from: dict[int, tuple[int, Offload]] = {}  # prefetched instance → (item of its wait, decision)
+    prefetched_instance: dict[int, int] = {}
     for k, item in enumerate(items):
         for name in arrivals.get(k, ()):
             current[name] = new_instance(name, k)
@@ -284,12 +347,12 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
                     last = max(reads_of[inst], default=instances[inst].alloc)
                     leave(t, last)
                     recompute_frees[group_of[last]].append(t)
-        for d in prefetch_item.get(k, ()):
+        for d in events.prefetch_item.get(k, ()):
             if current.get(d.tensor) is not None:
                 raise InvalidPlanError(f"{d.tensor} is prefetched at {d.prefetch_at} while still on the device")
             current[d.tensor] = new_instance(d.tensor, k)
             prefetched_instance[id(d)] = current[d.tensor]
-            waited_from[current[d.tensor]] = (first_item[op_at(d.reload_before, "reload_before")], d)
+            waited_from[current[d.tensor]] = (first_item[_op_at(problem, d.reload_before, "reload_before")], d)
         op = ops[item.op]
         for sname in op.inputs:
             inst = made.get(sname) if r is not None else None
@@ -320,7 +383,7 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
                     raise InvalidPlanError(f"{sname} is recomputed before {r.reload_before} while still on the device")
                 current[sname] = inst
         if r is None:
-            for d in free_after_item.get(k, ()):
+            for d in events.free_after_item.get(k, ()):
                 if current.get(d.tensor) is None:
                     raise InvalidPlanError(f"{d.tensor} is freed after {d.free_after} but is not on the device")
                 offload_instance[id(d)] = leave(d.tensor, k)  # type: ignore[assignment]
@@ -335,39 +398,58 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
     for inst_id, inst in enumerate(instances):
         if inst.end < 0:
             inst.end = max(reads_of[inst_id], default=inst.alloc)
-    for d in offloads:  # the D2H copy must read an instance that exists when it is issued
+    for d in decisions:  # the D2H copy must read an instance that exists when it is issued
+        if not isinstance(d, Offload):
+            continue
         inst_id = offload_instance.get(id(d))
-        if inst_id is None or instances[inst_id].alloc > op_item[op_at(d.offload_after, "offload_after")]:
+        if inst_id is None or instances[inst_id].alloc > op_item[_op_at(problem, d.offload_after, "offload_after")]:
             raise InvalidPlanError(f"{d.tensor} is not on the device when its offload is issued")
+    return _Stays(instances, offload_instance, prefetched_instance, grad_copy_after, recompute_frees)
 
-    # ---- 4. timing ----------------------------------------------------------------------------------
+
+# ---- 4. timing ------------------------------------------------------------------------------------------
+@dataclass
+class _Streams:
+    compute: list[Interval]
+    d2h: list[Interval]
+    h2d: list[Interval]
+    start_us: list[float]  # item → when compute starts it
+    stall_at_op: list[float]
+    stall_us: float
+    recompute_us: float
+    host_events: list[tuple[float, int]]  # (time, bytes arriving on the host (+) or leaving it (-))
+    makespan_us: float
+
+
+def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, stays: _Stays) -> _Streams:
+    ops, items, instances = problem.ops, seq.items, stays.instances
     compute: list[Interval] = []
     d2h: list[Interval] = []
     h2d: list[Interval] = []
     h2d_end: dict[int, float] = {}
     d2h_end: dict[int, float] = {}
-    start_us = [0.0] * n_items
+    start_us = [0.0] * len(items)
     t = d2h_free = h2d_free = 0.0
     stall_total = recompute_total = 0.0
-    stall_at_op = [0.0] * n_ops
+    stall_at_op = [0.0] * len(ops)
     host_events: list[tuple[float, int]] = []
     for k, item in enumerate(items):
-        for d in prefetch_item.get(k, ()):
+        for d in events.prefetch_item.get(k, ()):
             size = problem.storage(d.tensor).size_bytes
             begin = max(t, h2d_free, d2h_end.get(id(d), 0.0))  # the host copy must have landed
             h2d_free = begin + costs.copy_time_us(size, "h2d")
             h2d_end[id(d)] = h2d_free
-            target = instances[prefetched_instance[id(d)]]  # written until the copy lands
+            target = instances[stays.prefetched_instance[id(d)]]  # written until the copy lands
             target.copy_end_us = max(target.copy_end_us, h2d_free)
             h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
             if not isinstance(d, _WindowLoad):  # a streamed weight's host copy stays
                 host_events.append((h2d_free, -size))
-        ready = max([h2d_end[id(d)] for d in wait_before_item.get(k, ())]
-                    + [d2h_end[id(d)] for d in release_before_item.get(k, ())], default=t)
+        ready = max([h2d_end[id(d)] for d in events.wait_before_item.get(k, ())]
+                    + [d2h_end[id(d)] for d in events.release_before_item.get(k, ())], default=t)
         if ready > t:
             compute.append(Interval(f"wait {ops[item.op].name}", t, ready, "stall"))
             stall_total += ready - t
-            stall_at_op[group_of[k]] += ready - t
+            stall_at_op[seq.group_of[k]] += ready - t
             t = ready
         start_us[k] = t
         duration = costs.op_time_us[item.op]
@@ -377,27 +459,33 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
             recompute_total += duration
         t += duration
         if item.recompute is None:
-            for inst_id in grad_copy_after.get(item.op, ()):
+            for inst_id in stays.grad_copy_after.get(item.op, ()):
                 inst = instances[inst_id]
                 begin = max(t, d2h_free)
                 d2h_free = begin + costs.copy_time_us(inst.size, "d2h")
                 d2h.append(Interval(inst.storage, begin, d2h_free, "offload"))
                 host_events.append((begin, inst.size))
                 inst.copy_end_us = max(inst.copy_end_us, d2h_free)
-            for d in offload_after_op.get(item.op, ()):
+            for d in events.offload_after_op.get(item.op, ()):
                 size = problem.storage(d.tensor).size_bytes
                 begin = max(t, d2h_free)
                 d2h_free = begin + costs.copy_time_us(size, "d2h")
                 d2h.append(Interval(d.tensor, begin, d2h_free, "offload"))
                 d2h_end[id(d)] = d2h_free
                 host_events.append((begin, size))
-                inst = instances[offload_instance[id(d)]]
+                inst = instances[stays.offload_instance[id(d)]]
                 inst.copy_end_us = max(inst.copy_end_us, d2h_free)
-    makespan = max(t, d2h_free, h2d_free)
+    return _Streams(compute, d2h, h2d, start_us, stall_at_op, stall_total, recompute_total, host_events,
+                    max(t, d2h_free, h2d_free))
 
-    # ---- 5. memory at every compute step ------------------------------------------------------------
+
+# ---- 5. memory at every compute step --------------------------------------------------------------------
+def _timeline(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, stays: _Stays, streams: _Streams,
+              detail: bool) -> Timeline:
+    items, start_us = seq.items, streams.start_us
+    n_items = len(items)
     delta = [0] * (n_items + 1)
-    for inst in instances:
+    for inst in stays.instances:
         end = inst.end
         if inst.copy_end_us > 0:
             end = max(end, bisect.bisect_left(start_us, inst.copy_end_us) - 1)
@@ -411,7 +499,7 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
     peak = max((m for _, m in memory), default=0)
     peak_item = next((k for k, (_, m) in enumerate(memory) if m == peak), 0)
     at_peak = []
-    for inst in instances if detail else ():
+    for inst in stays.instances if detail else ():
         end = inst.end
         if inst.copy_end_us > 0:
             end = max(end, bisect.bisect_left(start_us, inst.copy_end_us) - 1)
@@ -420,21 +508,21 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
     at_peak.sort(key=lambda e: (-e[1], e[0]))
     peak_op = ""
     if items:
-        peak_op = ops[items[peak_item].op].name
+        peak_op = problem.ops[items[peak_item].op].name
         if items[peak_item].recompute is not None:
             peak_op = f"recompute {peak_op} before {items[peak_item].recompute.reload_before}"
     host_peak = live_host = 0
-    for _, change in sorted(host_events, key=lambda e: (e[0], e[1])):
+    for _, change in sorted(streams.host_events, key=lambda e: (e[0], e[1])):
         live_host += change
         host_peak = max(host_peak, live_host)
 
-    rows = _schedule_rows(problem, items, op_item, memory, stall_at_op, offload_after_op, prefetch_item,
-                          first_item, chains_before, free_after_item, recompute_frees) if detail else ()
-    compute_us = sum(costs.op_time_us)
-    return Timeline(compute=tuple(compute), d2h=tuple(d2h), h2d=tuple(h2d), memory=tuple(memory), peak_bytes=peak,
-                    makespan_us=makespan, compute_us=compute_us, recompute_us=recompute_total, stall_us=stall_total,
-                    host_peak_bytes=host_peak, rows=rows, peak_op=peak_op,
-                    peak_storages=tuple(at_peak))
+    rows = _schedule_rows(problem, items, seq.op_item, memory, streams.stall_at_op, events.offload_after_op,
+                          events.prefetch_item, seq.first_item, seq.chains_before, events.free_after_item,
+                          stays.recompute_frees) if detail else ()
+    return Timeline(compute=tuple(streams.compute), d2h=tuple(streams.d2h), h2d=tuple(streams.h2d),
+                    memory=tuple(memory), peak_bytes=peak, makespan_us=streams.makespan_us,
+                    compute_us=sum(costs.op_time_us), recompute_us=streams.recompute_us, stall_us=streams.stall_us,
+                    host_peak_bytes=host_peak, rows=rows, peak_op=peak_op, peak_storages=tuple(at_peak))
 
 
 def _schedule_rows(problem: Problem, items: list[_Item], op_item: list[int], memory: list[tuple[float, int]],
