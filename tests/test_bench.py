@@ -57,3 +57,28 @@ def test_scaling_smoke(capsys):
     assert scaling.main(["--size", "tiny", "--models", "1.5B", "--gpus", "1,8"]) == 0
     out = capsys.readouterr().out
     assert "efficiency" in out and "all-reduce" in out
+
+
+def test_versus_torch_pairs_at_equal_or_higher_peak():
+    versus = load("versus_torch")
+    P = versus.Point
+    mib = versus.MIB
+    ours = [P("karma cpsat", "a", 100 * mib, 10.0), P("karma cpsat", "b", 80 * mib, 30.0),
+            P("karma cpsat", "c", 50 * mib, 40.0)]
+    theirs = [P("aot_eager", "r=1.0", 120 * mib, 12.0), P("aot_eager", "r=0.5", 101 * mib, 11.0),
+              P("aot_eager", "r=0.0", 79.5 * mib, 20.0)]
+    a, b, c = versus.pair(ours, theirs, tolerance=0.01)
+    # a: the closest peak at or above 100 MiB is r=0.5 (101 MiB), slower than karma
+    assert a.theirs.knob == "r=0.5" and a.dominated_by is None and a.verdict() == "faster by 10.0%"
+    # b: 79.5 MiB is within 1% of 80, so it counts as equal; it is faster at a peak no higher: karma loses
+    assert b.theirs.knob == "r=0.0" and b.dominated_by.knob == "r=0.0" and b.verdict().startswith("slower")
+    # c: every baseline point has more memory; the closest (r=0.0) is faster, so karma is slower at equal peak
+    assert c.theirs.knob == "r=0.0" and c.dominated_by is None and c.verdict() == "slower by 50.0%"
+    # d: no baseline point gets this high; the highest of them is named and judged on time
+    (d,) = versus.pair([P("karma cpsat", "d", 200 * mib, 5.0)], theirs)
+    assert d.theirs is None and d.below.knob == "r=1.0"
+    assert d.verdict() == "no baseline point this high; its highest, r=1.0 at 120.0 MiB, is slower"
+    # the same pairing on the fastest step instead of the median
+    (e,) = versus.pair([P("karma cpsat", "e", 100 * mib, 50.0, fastest_ms=9.0)],
+                       [P("aot_eager", "r=0.5", 101 * mib, 40.0, fastest_ms=10.0)], time="fastest_ms")
+    assert e.verdict() == "faster by 11.1%"
