@@ -161,8 +161,12 @@ class KarmaBackend:
                                           if isinstance(o, fx.Node) and o.target is hand_over)
 
         pipeline = session.pipeline
+        inductor = session.config.compiler == "inductor"
+        if inductor:
+            from karma_fx.inductor import min_cut_partition
         partition = make_partition_fn(plan_fn, region.kinds, region.names, on_done,
-                                      save_params=pipeline is not None)
+                                      save_params=pipeline is not None,
+                                      keep_all=min_cut_partition if inductor else None)
 
         def forward_compiler(graph: fx.GraphModule, _: Any) -> Any:
             return boxed_graph(graph)
@@ -187,8 +191,13 @@ class KarmaBackend:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
         with _friendly_errors("compiling the region"), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-            fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
-                                       bw_compiler=backward_compiler, partition_fn=partition)
+            if inductor:
+                from karma_fx.inductor import compile_region
+
+                fn = compile_region(region.gm, fake, partition, on_backward=session.saw_backward)
+            else:
+                fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
+                                           bw_compiler=backward_compiler, partition_fn=partition)
         variant = chosen.get("variant")
         if variant is None:  # inference: the partitioner was never called
             return Variant(plan=Plan("keep", 0), fp=Footprint(0, 0, 0, 0), fn=fn)

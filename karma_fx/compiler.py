@@ -50,6 +50,10 @@ class KarmaModule(nn.Module):
                 "offload_weights=True is implemented for models whose weights are in host memory and run on the "
                 "CPU (where it is tested); streaming CUDA weights from pinned host memory is not implemented yet")
         pipeline = None
+        if (optimizer is not None or data_parallel) and config.compiler == "inductor":
+            raise UnsupportedModelError(
+                'compiler="inductor" does not take optimizer= or data_parallel= yet: the gradient pipeline is '
+                'called from inside the backward graph, which Inductor cannot compile; use compiler="eager"')
         if optimizer is not None or data_parallel:
             params = [p for p in model.parameters() if p.requires_grad]
             pipeline = GradientPipeline(params, optimizer=optimizer, data_parallel=data_parallel,
@@ -213,8 +217,8 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
             strategy: str | Strategy | None = None, optimizer: OptimizerFactory | None = None,
             data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             offload_weights: bool = False, time_limit_s: float | None = None,
-            max_grad_norm: float | None = None, plan_cache: str | None = None, costs: str = "roofline"
-            ) -> KarmaModule:
+            max_grad_norm: float | None = None, plan_cache: str | None = None, costs: str = "roofline",
+            compiler: str | None = None) -> KarmaModule:
     """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan.
 
     ``budget``: bytes (``"12GiB"``, ``12e9``) or a fraction of the unplanned peak (``0.5``), resolved once at
@@ -230,7 +234,9 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     ``plan_cache``: a directory of plans keyed by the captured graph, device, strategy and budget (default
     ``$KARMA_PLAN_CACHE``), so a restarted job does not plan again. ``costs="measured"``: each region's ops are
     timed once on the tensors of its first run (and the copy ops' speed measured) instead of the ``device``
-    preset's roofline.
+    preset's roofline. ``compiler``: ``"eager"`` (default) runs the planned graphs op by op; ``"inductor"``
+    compiles them with Inductor, as ``torch.compile`` would, the copies and waits kept where the plan put them
+    (``karma_fx.inductor``; not with ``optimizer=`` or ``data_parallel=`` yet).
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"karma_fx.compile takes an nn.Module, got {type(model).__name__}")
@@ -238,5 +244,5 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
         raise KarmaError("optimizer must be a callable that builds a torch.optim.Optimizer from a parameter list, "
                          "e.g. functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)")
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
-                              time_limit_s=time_limit_s, plan_cache=plan_cache, costs=costs)
+                              time_limit_s=time_limit_s, plan_cache=plan_cache, costs=costs, compiler=compiler)
     return KarmaModule(model, config, optimizer, data_parallel, bucket_bytes, max_grad_norm)

@@ -25,9 +25,11 @@ from karma_fx.strategies import DEFAULT_STRATEGY, STRATEGY_NAMES, Strategy
 
 BUDGET_ENV = "KARMA_BUDGET"
 PLAN_CACHE_ENV = "KARMA_PLAN_CACHE"
-OPTIONS = ("budget", "strategy", "device", "offload_weights", "time_limit_s", "plan_cache", "costs")
-COST_MODELS = ("roofline", "measured")
+OPTIONS = ("budget", "strategy", "device", "offload_weights", "time_limit_s", "plan_cache", "costs", "compiler")
 """The keys ``backend="karma"`` accepts in ``options``."""
+COST_MODELS = ("roofline", "measured")
+COMPILERS = ("eager", "inductor")
+DEFAULT_COMPILER = "eager"
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class KarmaConfig:
     costs: str = "roofline"
     """``"roofline"``: op times from FLOPs and bytes on ``device`` (plan a device you do not have);
     ``"measured"``: the step's ops timed once on the device it runs on, with the copy ops' measured speed."""
+    compiler: str = DEFAULT_COMPILER
+    """What runs the planned forward and backward graphs: ``"eager"`` (op by op, as ``aot_eager``) or
+    ``"inductor"`` (compiled by Inductor, the karma ops as extern kernels kept where the plan put them)."""
     plan_cache: str | None = None
     """A directory where plans are saved, keyed by the captured graph, the device, the strategy and the
     budget, so that a restarted job reuses them instead of planning again (default ``$KARMA_PLAN_CACHE``)."""
@@ -69,6 +74,9 @@ class KarmaConfig:
             object.__setattr__(self, "time_limit_s", float(limit))
         if self.costs not in COST_MODELS:
             raise KarmaError(f"costs must be one of {COST_MODELS}, got {self.costs!r}")
+        if not isinstance(self.compiler, str) or self.compiler not in COMPILERS:
+            raise KarmaError(f"compiler must be one of {', '.join(repr(c) for c in COMPILERS)}, got "
+                             f"{self.compiler!r}")
         cache = self.plan_cache if self.plan_cache is not None else os.environ.get(PLAN_CACHE_ENV) or None
         if cache is not None and not isinstance(cache, (str, os.PathLike)):
             raise KarmaError(f"plan_cache must be a directory path, got {cache!r}")
@@ -76,11 +84,13 @@ class KarmaConfig:
 
     @classmethod
     def make(cls, *, budget: Any, strategy: Any = None, device: Any = None, offload_weights: Any = False,
-             time_limit_s: Any = None, plan_cache: Any = None, costs: Any = "roofline") -> "KarmaConfig":
+             time_limit_s: Any = None, plan_cache: Any = None, costs: Any = "roofline",
+             compiler: Any = None) -> "KarmaConfig":
         """From keyword arguments as the public functions take them (``None`` means the default)."""
         return cls(budget=Budget.of(budget), strategy=DEFAULT_STRATEGY if strategy is None else strategy,
                    device=get_device(device), offload_weights=offload_weights, time_limit_s=time_limit_s,
-                   plan_cache=plan_cache, costs="roofline" if costs is None else costs)
+                   plan_cache=plan_cache, costs="roofline" if costs is None else costs,
+                   compiler=DEFAULT_COMPILER if compiler is None else compiler)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "KarmaConfig":
@@ -100,4 +110,4 @@ class KarmaConfig:
 
     def describe(self) -> str:
         name = self.strategy if isinstance(self.strategy, str) else getattr(self.strategy, "name", "custom")
-        return f"budget {self.budget}, strategy {name}, device {self.device.name}"
+        return f"budget {self.budget}, strategy {name}, device {self.device.name}, compiler {self.compiler}"

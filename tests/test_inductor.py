@@ -1,0 +1,187 @@
+"""compiler="inductor": planned steps compiled by Inductor equal torch.compile(backend="inductor"), the karma ops
+run where the plan put them, and a plan that moves nothing is exactly Inductor's step.
+
+Inductor's first compile is slow on two cores: the models are small, each model is compiled as few times as
+possible, and every test shares one Inductor cache directory (kernels compiled once per session)."""
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch._dynamo
+
+import karma_fx
+from karma_fx.backend import regions
+from karma_fx.config import KarmaConfig
+from karma_fx.errors import KarmaError
+from karma_fx.plan import Offload, Recompute
+from karma_fx.zoo import build, output_to_loss
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache(tmp_path_factory):
+    """One Inductor cache for the module's compiles (kernels shared between the reference and karma)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def mlp() -> tuple[torch.nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(32, 128), torch.nn.GELU()]
+    for _ in range(2):
+        layers += [torch.nn.Linear(128, 128), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(128, 1))
+    return model, (torch.randn(512, 32),), {}
+
+
+def megatron() -> tuple[torch.nn.Module, tuple, dict]:
+    return build("megatron_gpt", "tiny", batch=8, seq=32, layers=1, hidden=32, vocab=64, dropout=0.0)
+
+
+def run_steps(model, compiled, args, kwargs, steps=3, schedules=None):
+    """Train ``compiled`` (a view of ``model``) and Inductor on a copy side by side, ``steps`` SGD steps;
+    assert equal losses and gradients (fp32, relative 1e-5). ``schedules`` records karma's first step."""
+    import contextlib
+
+    reference = copy.deepcopy(model)
+    plain = torch.compile(reference, backend="inductor", dynamic=False)
+    opt_a = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for step in range(steps):
+        with schedules.patch() if schedules is not None and step == 0 else contextlib.nullcontext():
+            loss_a = output_to_loss(compiled(*args, **kwargs))
+            loss_a.backward()
+        loss_b = output_to_loss(plain(*args, **kwargs))
+        loss_b.backward()
+        assert torch.allclose(loss_a, loss_b, rtol=1e-5, atol=0), (step, loss_a.item(), loss_b.item())
+        for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+            scale = q.grad.abs().max().clamp_min(1e-30)
+            assert ((p.grad - q.grad).abs().max() / scale).item() <= 1e-5, (step, n)
+        opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
+
+
+# ---- what Inductor ran, in order ------------------------------------------------------------------------------
+class Schedules:
+    """Records, for each graph Inductor compiles, its final kernel order: per scheduler node (a kernel, fused
+    or not, or an extern call), the names of the fx nodes it runs. Installed as Inductor's post-fusion hook, with
+    the per-graph code cache off so every graph is scheduled for real."""
+
+    def __init__(self) -> None:
+        self.graphs: list[list[set[str]]] = []
+
+    def __call__(self, nodes: list) -> list:
+        order = []
+        for node in nodes:
+            names = {o.name for sub in node.get_nodes() if sub.node is not None for o in sub.node.origins}
+            order.append(names)
+        self.graphs.append(order)
+        return nodes
+
+    def patch(self):
+        from torch._inductor import config
+
+        return config.patch(_post_fusion_custom_pass=self, fx_graph_cache=False)
+
+
+def assert_karma_ops_in_place(graph: torch.fx.GraphModule, schedule: list[set[str]]) -> int:
+    """Every ``karma`` op of ``graph`` runs, in Inductor's ``schedule``, after every op the graph puts before it
+    and before every op the graph puts after it: no kernel that runs before the copy or wait holds an op the
+    plan put after it, and none that runs after holds one the plan put before it (a fused kernel straddling a
+    copy or a wait breaks this). Views are left out: they allocate nothing, and Inductor folds them into the
+    strides of their readers. Returns how many karma ops were checked."""
+    karma = [n.name for n in graph.graph.nodes
+             if n.op == "call_function" and str(getattr(n.target, "namespace", "")) == "karma"]
+    order = {n.name: i for i, n in enumerate(graph.graph.nodes)  # views cost nothing: Inductor folds them
+             if n.name in karma or not getattr(n.target, "is_view", False)}  # into their readers' strides
+    at = {name: i for i, names in enumerate(schedule) for name in names}
+    for k in karma:
+        assert k in at, f"{k} is not in Inductor's schedule"
+        for i, names in enumerate(schedule):
+            for name in names:
+                if name == k or name not in order or at.get(name) == at[k]:
+                    continue
+                planned, ran = order[name] < order[k], i < at[k]
+                assert planned == ran, (f"{name} is planned {'before' if planned else 'after'} {k} but runs "
+                                        f"{'before' if ran else 'after'} it")
+    return len(karma)
+
+
+# ---- tests ---------------------------------------------------------------------------------------------------
+def test_compiler_is_validated():
+    assert KarmaConfig.make(budget=1.0).compiler == "eager"
+    assert KarmaConfig.from_options({"budget": 1.0, "compiler": "inductor"}).compiler == "inductor"
+    for bad in ("tvm", "Inductor", 1, ""):
+        with pytest.raises(KarmaError, match="compiler must be one of 'eager', 'inductor'"):
+            KarmaConfig.make(budget=1.0, compiler=bad)
+    with pytest.raises(KarmaError, match="compiler must be"):
+        karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, compiler="aot_eager")
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(Exception, match="compiler must be"):
+        torch.compile(model, backend="karma", options={"budget": 1.0, "compiler": "xla"})(torch.randn(2, 4))
+
+
+def test_nothing_moves_is_exactly_inductor():
+    """Unlimited budget: the same generated code as torch.compile(backend="inductor"), and the same numbers."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, args, kwargs = mlp()
+    reference = copy.deepcopy(model)
+    compiled = karma_fx.compile(model, budget="1TiB", compiler="inductor")
+
+    def step(m):
+        loss = output_to_loss(m(*args, **kwargs))
+        loss.backward()
+        return loss
+
+    loss_a, code_a = run_and_get_code(step, compiled)
+    assert not compiled.plan.decisions
+    torch._dynamo.reset()
+    loss_b, code_b = run_and_get_code(step, torch.compile(reference, backend="inductor", dynamic=False))
+    assert torch.equal(loss_a, loss_b)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert len(code_a) == len(code_b) == 2
+
+    def body(code: str) -> str:  # kernels and wrapper; only the compile's serial number differs
+        return re.sub(r"^# AOT ID: .*$", "", code, flags=re.M)
+
+    assert [body(c) for c in code_a] == [body(c) for c in code_b]
+    assert "karma" not in "".join(code_a)
+
+
+@pytest.mark.parametrize("build_model, strategy", [(mlp, "offload"), (mlp, "checkpoint"), (megatron, "cpsat")])
+def test_planned_steps_equal_inductor(build_model, strategy):
+    """A budget that forces the plan to move tensors: three SGD steps equal plain Inductor's; the copies, waits
+    and recomputes run where the plan put them."""
+    model, args, kwargs = build_model()
+    probe = {"budget": 1.0, "strategy": "keep", "compiler": "inductor"}
+    output_to_loss(torch.compile(copy.deepcopy(model), backend="karma", options=probe,
+                                 dynamic=False)(*args, **kwargs))
+    (region,) = regions(probe)
+    high, low = region.plan.unplanned_peak_bytes, region.min_budget_bytes
+    torch._dynamo.reset()
+    compiled = karma_fx.compile(model, budget=(high + low) // 2, strategy=strategy, compiler="inductor")
+    schedules = Schedules()
+    run_steps(model, compiled, args, kwargs, schedules=schedules)
+    plan = compiled.plan
+    assert plan.decisions, plan.status
+    kinds = {type(d) for d in plan.decisions}
+    assert kinds & {Offload, Recompute}
+    fw, bw = compiled.graphs[0]
+    assert len(schedules.graphs) == 2
+    checked = sum(assert_karma_ops_in_place(g, s) for g, s in zip((fw, bw), schedules.graphs))
+    assert checked == sum(1 for g in (fw, bw) for n in g.graph.nodes
+                          if str(getattr(n.target, "namespace", "")) == "karma")
+    if Offload in kinds:
+        assert checked > 0
