@@ -95,10 +95,17 @@ def measure_step(step: CapturedStep, model: nn.Module, args: tuple = (), kwargs:
 
 
 def _live_storage_bytes(values: Any) -> int:
+    """Bytes of the distinct storages behind ``values``, less the host tier (``karma.offload`` outputs and
+    their waited aliases): on a CPU the host and the "device" share one allocator, but the plan's budget is
+    the device's."""
+    from karma_fx.runtime import is_host_tier
+
+    tensors = [t for value in values for t in tensors_of(value)]
+    host = {t.untyped_storage().data_ptr() for t in tensors if is_host_tier(t)}
     seen: dict[int, int] = {}
-    for value in values:
-        for t in tensors_of(value):
-            storage = t.untyped_storage()
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in host:
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(seen.values())
 

@@ -108,13 +108,19 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
                     original = nodes[name]
                     if original.meta.get("val") is None:
                         raise InvalidPlanError(f"cannot recompute {name}: it has no traced value")
-                    clone = graph.node_copy(original, lambda a: snapshot(a) if a in buffers else _materialize(
-                        graph, a, replaced, storage_of, op_names))
+                    stand_ins = _running_stat_stand_ins(original)
+                    clone = graph.node_copy(original, lambda a: stand_ins.get(a) or snapshot(a) if a in buffers
+                                            else _materialize(graph, a, replaced, storage_of, op_names))
                     clone.meta["partitioner_tag"] = "is_backward"
                     clone.meta["karma"] = {"recompute_of": name}
                     replaced[original] = clone
                     _unpack_now(graph, original, clone, replaced)
-            _redirect(graph, readers, replaced, storage_of, op_names)
+            # Readers take the copies of what the plan rebuilds, nothing else: a rebuilt op's other outputs
+            # (a batch norm's new running statistics) are still resident, and reading their copies would keep
+            # bytes alive that the plan never counted.
+            rebuilt = set(d.tensors)
+            _redirect(graph, readers, {o: c for o, c in replaced.items() if storage_of.get(o.name) in rebuilt},
+                      storage_of, op_names)
     for d in plan.decisions:
         if isinstance(d, StreamWeight):
             _stream_weight(graph, nodes, d, storage_of, op_names, forward)
@@ -124,6 +130,23 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
     graph.lint()
     joint.recompile()
     return joint, forward_offloads
+
+
+def _running_stat_stand_ins(node: fx.Node) -> dict[fx.Node, fx.Node]:
+    """What a recompute of ``node`` may read instead of a forward snapshot of each buffer it reads.
+
+    A training-mode batch norm's output and saved statistics do not depend on the running statistics, and its
+    backward ignores them; they only need a tensor of the right shape. The forward's own new running
+    statistics are step outputs, resident to the end and never mutated, so they cost nothing, where a
+    snapshot would stay on the device from the forward to the recompute. (The live buffers themselves cannot
+    be read: the step updates them in place, and autograd's version check refuses that.)"""
+    if node.target is not torch.ops.aten._native_batch_norm_legit_functional.default:
+        return {}
+    if len(node.args) < 6 or node.args[5] is not True:
+        return {}
+    outputs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    stats = {node.args[3]: outputs.get(3), node.args[4]: outputs.get(4)}
+    return {buffer: out for buffer, out in stats.items() if isinstance(buffer, fx.Node) and out is not None}
 
 
 def _stream_weight(graph: fx.Graph, nodes: dict[str, fx.Node], d: StreamWeight, storage_of: dict[str, str],
@@ -227,6 +250,7 @@ def _unpack_now(graph: fx.Graph, original: fx.Node, clone: fx.Node, replaced: di
                 item = graph.call_function(operator.getitem, (clone, user.args[1]))
             item.meta = {k: v for k, v in user.meta.items() if k in ("val", "tensor_meta")}
             item.meta["partitioner_tag"] = "is_backward"
+            item.meta["karma"] = {"view_of": user.name}
             replaced[user] = last = item
 
 
@@ -236,14 +260,18 @@ def _materialize(graph: fx.Graph, node: fx.Node, replaced: dict[fx.Node, fx.Node
     replaced node (made at the current insertion point), or ``node`` itself if nothing it aliases moved."""
     if node in replaced:
         return replaced[node]
-    if node.op != "call_function" or node.name in op_names or node.name not in storage_of:
+    if node.op != "call_function" or node.name in op_names or "karma" in node.meta:
         return node  # an op, an input, or a node the rewrite inserted: never replicated
+    # Every other traced node is a view or an unpacking. That includes the ones no single storage names
+    # (``unbind`` / ``split`` return several views of one tensor): a recompute that read the original
+    # ``unbind`` of a rebuilt tensor would keep the whole original storage alive into the backward.
     mapped = fx.map_arg((node.args, node.kwargs), lambda a: _materialize(graph, a, replaced, storage_of, op_names))
     if mapped == (node.args, node.kwargs):
         return node
     replica = graph.create_node("call_function", node.target, mapped[0], mapped[1])
     replica.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")}
     replica.meta["partitioner_tag"] = "is_backward"
+    replica.meta["karma"] = {"view_of": node.name}
     replaced[node] = replica
     return replica
 
