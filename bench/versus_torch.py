@@ -127,6 +127,9 @@ class Point:
     step_ms: float
     """Median of the timed steps."""
     fastest_ms: float = 0.0
+    sync_peak_bytes: int = 0
+    """Where the copies were timed on a worker thread: the peak with synchronous copies (0: not measured).
+    A copy that lags behind compute keeps its source alive, so the threaded peak can be the higher."""
 
 
 @dataclass(frozen=True)
@@ -198,8 +201,10 @@ class OffloadAll(torch.autograd.graph.saved_tensors_hooks):
 
 
 def measure(model: nn.Module, step: Callable, args: tuple, kwargs: dict, steps: int,
-            around: Callable[[], Any] = contextlib.nullcontext) -> tuple[int, float, float]:
-    """Measured peak (bytes), median and fastest steady-state step time (ms) of ``step`` run in ``around()``."""
+            around: Callable[[], Any] = contextlib.nullcontext,
+            sync_around: Callable[[], Any] | None = None) -> tuple[int, float, float, int]:
+    """Measured peak (bytes), median and fastest steady-state step time (ms) of ``step`` run in ``around()``;
+    then, given ``sync_around``, the peak of a step run in it (after one step to settle), else 0."""
     def one() -> None:
         with around():
             output_to_loss(step(*args, **kwargs)).backward()
@@ -215,7 +220,15 @@ def measure(model: nn.Module, step: Callable, args: tuple, kwargs: dict, steps: 
         times.append((time.perf_counter() - start) * 1e3)
     with around():
         peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
-    return peak, statistics.median(times), min(times)
+    sync_peak = 0
+    if sync_around is not None:
+        for p in model.parameters():  # measure_step_peak leaves the gradients of its step
+            p.grad = None
+        around = sync_around
+        one()
+        with around():
+            sync_peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
+    return peak, statistics.median(times), min(times), sync_peak
 
 
 @contextlib.contextmanager
@@ -245,13 +258,14 @@ def sweep(name: str, a: argparse.Namespace) -> dict[str, list[Point]]:
 
     families: dict[str, list[Point]] = {}
 
-    def add(family: str, knob: str, peak: int, ms: float, fastest_ms: float) -> None:
-        families.setdefault(family, []).append(Point(family, knob, peak, ms, fastest_ms))
+    def add(family: str, knob: str, peak: int, ms: float, fastest_ms: float, sync_peak: int = 0) -> None:
+        families.setdefault(family, []).append(Point(family, knob, peak, ms, fastest_ms, sync_peak))
         print(f"  {name} {family} {knob}: {peak / MIB:.1f} MiB, {ms:.1f} ms (fastest {fastest_ms:.1f})",
               flush=True)
 
     with _fresh(name) as (model, args, kwargs):
         add("eager", "unplanned", *measure(model, model, args, kwargs, a.steps))
+    sync = (lambda: copy_mode("sync")) if a.copies == "threads" else None
     floor, unplanned = karma_range(name)
     for strategy in a.strategies.split(","):
         for position in a.budgets.split(","):
@@ -262,7 +276,7 @@ def sweep(name: str, a: argparse.Namespace) -> dict[str, list[Point]]:
                                         time_limit_s=a.time_limit)
                 try:
                     add(f"karma {strategy}", knob,
-                        *measure(model, step, args, kwargs, a.steps, lambda: copy_mode(a.copies)))
+                        *measure(model, step, args, kwargs, a.steps, lambda: copy_mode(a.copies), sync))
                 except InfeasibleBudgetError as e:
                     print(f"  {name} karma {strategy} {knob}: infeasible ({e})", flush=True)
     for backend in a.backends.split(","):
@@ -272,13 +286,16 @@ def sweep(name: str, a: argparse.Namespace) -> dict[str, list[Point]]:
                 with functorch_config.patch(activation_memory_budget=float(ratio)):
                     add(backend, f"r={ratio}", *measure(model, step, args, kwargs, a.steps))
     with _fresh(name) as (model, args, kwargs):
-        def offload_all() -> contextlib.ExitStack:
-            stack = contextlib.ExitStack()
-            stack.enter_context(copy_mode(a.copies))
-            stack.enter_context(OffloadAll(model, a.min_offload_bytes))
-            return stack
+        def offload_all(mode: str) -> Callable[[], contextlib.ExitStack]:
+            def enter() -> contextlib.ExitStack:
+                stack = contextlib.ExitStack()
+                stack.enter_context(copy_mode(mode))
+                stack.enter_context(OffloadAll(model, a.min_offload_bytes))
+                return stack
+            return enter
 
-        add("offload-all", f">={a.min_offload_bytes} B", *measure(model, model, args, kwargs, a.steps, offload_all))
+        add("offload-all", f">={a.min_offload_bytes} B", *measure(
+            model, model, args, kwargs, a.steps, offload_all(a.copies), offload_all("sync") if sync else None))
     return families
 
 
@@ -286,9 +303,11 @@ def tables(name: str, families: dict[str, list[Point]], tolerance: float) -> str
     """All points of a model by family, then each karma point against each baseline family."""
     points = [p for family in families.values() for p in family]
     out = [f"## {name}", "", tabulate([[p.family, p.knob, f"{p.peak_bytes / MIB:.1f}", f"{p.step_ms:.1f}",
-                                        f"{p.fastest_ms:.1f}"] for p in points],
+                                        f"{p.fastest_ms:.1f}",
+                                        f"{p.sync_peak_bytes / MIB:.1f}" if p.sync_peak_bytes else ""]
+                                       for p in points],
                                       headers=["config", "knob", "measured peak MiB", "step ms (median)",
-                                               "fastest ms"], tablefmt="github")]
+                                               "fastest ms", "peak MiB, sync copies"], tablefmt="github")]
     eager = families.get("eager", [None])[0]
     baselines = [f for f in families if f not in ("eager",) and not f.startswith("karma")]
     rows = []
