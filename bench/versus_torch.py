@@ -1,15 +1,18 @@
 """The comparison users would make, measured: karma_fx against PyTorch's own ways of saving activation memory, at
 equal allocator-measured peak, on medium CPU models whose ops take a millisecond or more (issue 12, item 6).
 
-    python bench/versus_torch.py                                   # both models, --steps 3
+    python bench/versus_torch.py                                   # both models, --steps 3: ~10 min on 2 cores
     python bench/versus_torch.py --models resnet18-64px --budgets 0.8,0.6 --ratios 1.0,0.5,0.0
     python bench/versus_torch.py --backends aot_eager,inductor     # also the budget partitioner under Inductor
 
 Models: a 4-layer d=512 GPT at sequence 512 (batch 2, vocab 2048) and a ResNet-18 (basic blocks [2, 2, 2, 2],
 width 64) on 64x64 images, batch 32. Every configuration gets a fresh model and a reset Dynamo, is run twice
 (compile, then a steady-state step that fills any host-buffer pool), timed over ``--steps`` steps (median;
-the fastest is shown too, a hint of how much other work on the machine disturbed them), then run once more under ``AllocatorPeak`` (torch.profiler's allocator events; weights, buffers and inputs
-added as what existed before the step; gradients are dropped before each step, so they count).
+the fastest is shown too, a hint of how much other work on the machine disturbed them), then run once more
+under ``AllocatorPeak`` (torch.profiler's allocator events; weights, buffers and inputs added as what existed
+before the step; gradients are dropped before each step, so they count). Where copies run on a worker thread,
+one more step with synchronous copies gives the peak where the plan frees (the threaded peak is higher when a
+copy lags behind compute and keeps its source alive, which a busy machine makes likely).
 
 Configurations:
 
@@ -43,6 +46,8 @@ Pairing (``pair``): each karma point is set against each baseline family's point
 closest at or above it (within ``--tolerance``), i.e. a baseline given at least as much memory; a faster
 baseline point at a peak no higher than karma's (a baseline that dominates) is named too.
 """
+# No ``from __future__ import annotations``: tests load this file without registering it in sys.modules, and
+# dataclasses resolve string annotations through sys.modules.
 
 import argparse
 import contextlib
