@@ -15,7 +15,7 @@ import torch._dynamo
 import karma_fx
 from karma_fx.backend import regions
 from karma_fx.config import KarmaConfig
-from karma_fx.errors import KarmaError
+from karma_fx.errors import KarmaError, UnsupportedModelError
 from karma_fx.plan import Offload, Recompute
 from karma_fx.zoo import build, output_to_loss
 
@@ -23,9 +23,12 @@ from karma_fx.zoo import build, output_to_loss
 @pytest.fixture(scope="module", autouse=True)
 def inductor_cache(tmp_path_factory):
     """One Inductor cache for the module's compiles (kernels shared between the reference and karma)."""
+    from torch._inductor import config
+
     mp = pytest.MonkeyPatch()
     mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-    yield
+    with config.patch(compile_threads=1):  # two cores: a pool of compile workers costs more than it saves
+        yield
     mp.undo()
 
 
@@ -126,6 +129,8 @@ def test_compiler_is_validated():
             KarmaConfig.make(budget=1.0, compiler=bad)
     with pytest.raises(KarmaError, match="compiler must be"):
         karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, compiler="aot_eager")
+    with pytest.raises(UnsupportedModelError, match="optimizer="):
+        karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, compiler="inductor", optimizer=torch.optim.SGD)
     model = torch.nn.Linear(4, 4)
     with pytest.raises(Exception, match="compiler must be"):
         torch.compile(model, backend="karma", options={"budget": 1.0, "compiler": "xla"})(torch.randn(2, 4))
@@ -160,28 +165,22 @@ def test_nothing_moves_is_exactly_inductor():
     assert "karma" not in "".join(code_a)
 
 
-@pytest.mark.parametrize("build_model, strategy", [(mlp, "offload"), (mlp, "checkpoint"), (megatron, "cpsat")])
-def test_planned_steps_equal_inductor(build_model, strategy):
-    """A budget that forces the plan to move tensors: three SGD steps equal plain Inductor's; the copies, waits
-    and recomputes run where the plan put them."""
+@pytest.mark.parametrize("build_model, budget, strategy", [(mlp, 0.96, "offload"), (mlp, 0.96, "checkpoint"),
+                                                           (megatron, 0.88, "cpsat")])
+def test_planned_steps_equal_inductor(build_model, budget, strategy):
+    """A budget that forces the plan to move tensors (a fraction between the leanest plan's peak and the
+    unplanned one: mlp 0.93-1, megatron 0.77-1): three SGD steps equal plain Inductor's; the copies, waits and
+    recomputes run where the plan put them."""
     model, args, kwargs = build_model()
-    probe = {"budget": 1.0, "strategy": "keep", "compiler": "inductor"}
-    output_to_loss(torch.compile(copy.deepcopy(model), backend="karma", options=probe,
-                                 dynamic=False)(*args, **kwargs))
-    (region,) = regions(probe)
-    high, low = region.plan.unplanned_peak_bytes, region.min_budget_bytes
-    torch._dynamo.reset()
-    compiled = karma_fx.compile(model, budget=(high + low) // 2, strategy=strategy, compiler="inductor")
+    compiled = karma_fx.compile(model, budget=budget, strategy=strategy, compiler="inductor")
     schedules = Schedules()
     run_steps(model, compiled, args, kwargs, schedules=schedules)
     plan = compiled.plan
-    assert plan.decisions, plan.status
-    kinds = {type(d) for d in plan.decisions}
-    assert kinds & {Offload, Recompute}
+    assert {type(d) for d in plan.decisions} & {Offload, Recompute}, plan.status
     fw, bw = compiled.graphs[0]
     assert len(schedules.graphs) == 2
     checked = sum(assert_karma_ops_in_place(g, s) for g, s in zip((fw, bw), schedules.graphs))
     assert checked == sum(1 for g in (fw, bw) for n in g.graph.nodes
                           if str(getattr(n.target, "namespace", "")) == "karma")
-    if Offload in kinds:
+    if any(isinstance(d, Offload) for d in plan.decisions):
         assert checked > 0
