@@ -152,3 +152,30 @@ def test_at_the_floor_cpsat_returns_the_leanest_plan_and_says_it_fits():
     floor = prepared.min_peak_bytes()
     plan = prepared.plan(floor).plan
     assert plan.fits and plan.status != "INFEASIBLE" and plan.peak_bytes <= floor
+
+
+def test_a_choice_is_checked_where_it_is_made():
+    from karma_fx.strategies.cpsat import KEEP, RECOMPUTE, Choice, Kind
+
+    assert Choice.offload(release=2, prefetch=5).kind is Kind.OFFLOAD
+    assert KEEP.kind is Kind.KEEP and RECOMPUTE.release is None
+    with pytest.raises(ValueError):
+        Choice(Kind.OFFLOAD)  # an offload needs its positions
+    with pytest.raises(ValueError):
+        Choice.offload(release=5, prefetch=2)  # fetched back before it is released
+    with pytest.raises(ValueError):
+        Choice(Kind.KEEP, release=1, prefetch=1)
+
+
+def test_the_strategies_import_no_graph_pass():
+    """The strategies plan any ``Problem``: their imports stop at ``karma_fx.dependencies`` and never reach
+    ``karma_fx.passes`` (torch.fx)."""
+    import ast
+    from pathlib import Path
+
+    import karma_fx.strategies as strategies
+
+    for path in Path(strategies.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("karma_fx.passes"), path

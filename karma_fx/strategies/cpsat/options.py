@@ -16,6 +16,11 @@ class SolverOptions:
     with the LP bound. Measured (bench/compare.py, H100 spec, 0.7 to 0.25): they improved on the heuristics at
     wrn28_10 (63 candidates) and resnet50 (105), never at gpt2 (221) or bert (239), where they cost ~60 s a
     plan for nothing."""
+    seconds_per_candidate: float = 0.4
+    """The capacity model gets at most this much time per candidate (``time_limit_s`` at most, 5 s at least):
+    a model of a dozen tensors has nothing to gain from 20 s. Measured on the tiny zoo: wrn28_10 (12
+    candidates) had its best decisions after 2 s of a 10 s proof; resnet1001 at 0.5 (26) proved its optimum
+    at a 5 s limit, and at 2 s settled for a plan 30% slower after the exact pass."""
     memory_unit_bytes: int = MEMORY_UNIT
     """Granularity of the memory constraints; candidates smaller than this stay on the device."""
     good_enough_gap: float = 0.01
@@ -28,3 +33,7 @@ class SolverOptions:
     """No windows on graphs with more ops: each window model times every op. Measured (bench/compare.py):
     windows gained on resnet50 (403 ops) and resnet200 (1553), never on megatron_gpt (2755), where they
     cost ~25 s a plan, nor on any transformer; with them cpsat took 182 s on gpt2 with 48 layers (3545 ops)."""
+
+    def effort_s(self, n_candidates: int) -> float:
+        """The time limit of one whole-graph solve over ``n_candidates`` tensors."""
+        return min(self.time_limit_s, max(5.0, self.seconds_per_candidate * n_candidates))

@@ -113,6 +113,7 @@ class CpSat:
             notes.append(f"more than {opts.max_candidates} of them: the whole-graph solver was not run (too slow "
                          "at that size)")
             cands = []
+        good_enough_us = None if proven is None else proven * (1 + opts.good_enough_gap)
         if cands and not out_of_time():
             best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, proven, notes, say)
         if best is None:  # no heuristic fits: the leanest plan is the last resort, and the floor quoted to users
@@ -126,8 +127,11 @@ class CpSat:
                         status="INFEASIBLE", lower_bound_us=proven,
                         notes=tuple(notes) + ("no plan found fits: the plan with the lowest peak is returned",)
                         + tuple(stopped))
-        if (len(problem.ops) <= opts.max_window_ops and (proven is None or best[0] > proven * (1 + opts.good_enough_gap))
-                and not out_of_time()):
+        # Windows re-solve at most ``window_size`` tensors each: when the whole-graph models have just decided
+        # all of them at once, a window would solve the same model again.
+        one_window = bool(cands) and len(all_cands) <= opts.window_size
+        if (len(problem.ops) <= opts.max_window_ops and not one_window
+                and (good_enough_us is None or best[0] > good_enough_us) and not out_of_time()):
             window_opts = SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed,
                                         memory_unit_bytes=opts.memory_unit_bytes)
             say("solver windows", self.name)
@@ -152,9 +156,10 @@ class CpSat:
         then the exact FIFO model times them and polishes from the best start it is given. Returns the new best
         (simulated time, plan, peak): the solver's plan if the simulator says it fits and is no slower."""
         opts = self.options
+        effort_s = opts.effort_s(len(cands))
         say("solver, memory-only pass", self.name)
         phase1 = solve_capacity(problem, costs, budget_bytes, base, cands,
-                                time_limit_s=min(opts.time_limit_s, max(progress.seconds_left() / 4, 0.01)),
+                                time_limit_s=min(effort_s, max(progress.seconds_left() / 4, 0.01)),
                                 workers=opts.workers, seed=opts.seed, unit=opts.memory_unit_bytes)
         if phase1 is not None:
             notes.append(f"solver, memory-only pass: {phase1[2].lower()} (at best {phase1[1] / 1e3:.3f} ms with "
@@ -163,7 +168,7 @@ class CpSat:
             return best
         say("solver, exact pass", self.name)
         model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes)
-        starts = [leanest_choices(cands, costs.allow_offload)] + ([phase1[0]] if phase1 else []) \
+        starts = ([phase1[0]] if phase1 else []) \
             + ([choices_from_plan(problem, cands, best[1], allow_offload=costs.allow_offload)] if best else [])
         hint, hint_time = None, math.inf
         for choices in starts:
@@ -172,6 +177,8 @@ class CpSat:
             t, assignment = model.evaluate(choices, opts)
             if t is not None and t < hint_time:
                 hint, hint_time = assignment, t
+        if hint is None and not progress.past_deadline():  # the slowest start: only when no other one is expressible
+            _, hint = model.evaluate(leanest_choices(cands, costs.allow_offload), opts)
         if progress.past_deadline():
             return best
         result = model.solve(SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed), hint)
@@ -180,14 +187,23 @@ class CpSat:
             return best
         status, choices, objective, _ = result
         decisions = model.decisions(choices)
-        predicted, _ = model.evaluate(choices, opts)
+        # The solve's objective is the model's time for its decisions; re-timing them only helps when the search
+        # stopped at its limit (the decisions may then wait more than they need).
+        predicted = objective if status == "OPTIMAL" else model.evaluate(choices, opts)[0]
         tl = timeline_of(problem, costs, decisions)
         quality = "optimal" if status == "OPTIMAL" else "best found"
         notes.append(f"solver, exact pass: {quality} among the points it considers, predicted "
                      f"{(predicted or objective) / 1e3:.3f} ms, simulated {tl.makespan_us / 1e3:.3f} ms")
         if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
-            solved = Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions, status=status,
+            solved = Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
+                          status="OPTIMAL" if _at_bound(tl.makespan_us, proven) else status,
                           lower_bound_us=proven, predicted_step_time_us=round(predicted or objective, 3),
                           notes=tuple(notes))
             return (tl.makespan_us, solved, tl.peak_bytes)
         return best
+
+
+def _at_bound(simulated_us: float, proven: float | None) -> bool:
+    """Whether a plan meets the proven lower bound (up to the bound's own tolerance): then it is optimal,
+    whichever search stopped early to find it."""
+    return proven is not None and simulated_us <= proven * (1 + 1e-5) + 1e-5
