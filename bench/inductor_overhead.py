@@ -1,6 +1,6 @@
 """karma + Inductor beside plain Inductor: step time when nothing moves, and measured vs predicted peaks.
 
-    python bench/inductor_overhead.py [--models mlp,megatron_gpt] [--steps 30] [--budgets 0.9]
+    python bench/inductor_overhead.py [--models mlp,megatron_gpt,mlp_tiny] [--steps 30] [--budgets 0.9]
 
 Time table: per model, a training step (forward, loss, backward, dropped grads) under
 ``torch.compile(backend="inductor")`` and under ``karma_fx.compile(compiler="inductor")`` with a 1 TiB budget
@@ -33,6 +33,7 @@ from karma_fx.measure_run import measure_step_peak
 from karma_fx.zoo import build, output_to_loss
 
 MODELS = {
+    "mlp_tiny": lambda: build("mlp", "tiny"),  # a step of microseconds: karma's per-call cost in absolute terms
     "mlp": lambda: build("mlp", "tiny", batch=512, hidden=1024, in_features=512, classes=64),
     "megatron_gpt": lambda: build("megatron_gpt", "tiny", batch=8, seq=128, layers=2, hidden=128, vocab=512,
                                   dropout=0.0),
