@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from karma_fx.errors import KarmaError, UnsupportedModelError
+from karma_fx.passes.dropout import split_dropout
 
 PrimalKind = Literal["param", "buffer", "input"]
 
@@ -179,7 +180,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     captured: dict[str, Any] = {}
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
-        captured["joint"] = joint
+        captured["joint"] = split_dropout(joint)  # a dropout output can then be rebuilt from its mask
         captured["joint_inputs"] = joint_inputs
         captured["num_fwd_outputs"] = kw["num_fwd_outputs"]
         # The joint graph is all we need: stop AOTAutograd before it partitions and code-generates wrappers

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from karma_fx.passes.capture import CapturedStep
 from karma_fx.passes.liveness import _forward_nodes, build_problem
+from karma_fx.passes.dropout import split_dropout
 from karma_fx.passes.rewrite import rewrite_joint
 from karma_fx.plan import Plan
 from karma_fx.problem import Problem
@@ -35,12 +36,14 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
     to; saving a parameter for the backward costs no memory, it lives all step anyway."""
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **options: Any):
-        step = CapturedStep(joint=joint, primal_kinds=primal_kinds, primal_names=primal_names,
+        # Planned on the graph with each dropout split into mask and multiply (what plan() captures), so a
+        # dropout output can be rebuilt; a plan that moves nothing still partitions PyTorch's own graph.
+        step = CapturedStep(joint=split_dropout(joint), primal_kinds=primal_kinds, primal_names=primal_names,
                             num_fwd_outputs=num_fwd_outputs, output_names=(), joint_inputs=joint_inputs)
         problem = build_problem(step)
         plan = plan_fn(problem, step)
         if plan.decisions or save_params:
-            rewritten, offload_names = rewrite_joint(step, problem, plan) if plan.decisions else (joint, set())
+            rewritten, offload_names = rewrite_joint(step, problem, plan) if plan.decisions else (step.joint, set())
             if save_params:
                 hand_over_gradients(rewritten, primal_kinds, num_fwd_outputs)
             fw, bw = split(rewritten, num_fwd_outputs, offload_names)
