@@ -137,7 +137,7 @@ class Session:
                 self._check_sequence(self._previous)
             else:
                 assert self.budget_bytes is not None
-                persistent = max(self._step_persistent, self._previous_persistent) + self._previous_inputs + self._previous_inputs
+                persistent = max(self._step_persistent, self._previous_persistent) + self._previous_inputs
                 self._previous_fit = total_that_works(persistent, [r.fp() for r in self._previous]
                                                       ) <= self.budget_bytes
         self._runs, self._seen, self._inputs, self._saw_backward = [], {}, {}, False
