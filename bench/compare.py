@@ -3,10 +3,17 @@
     python bench/compare.py                                   # the 9 models, 5 strategies, 4 budgets (minutes)
     python bench/compare.py --models gpt2,resnet50 --budgets 0.5,0.35 --strategies karma,checkpoint
     python bench/compare.py --size tiny                       # seconds; what CI runs as a smoke test
+    python bench/compare.py --precision bf16-mixed --time-limit 20 --json bf16.json   # the headline table
+    python bench/compare.py --side-by-side bf16.json,fp32.json  # cpsat per cell, one precision beside another
 
 Every cell is judged by the same simulator: "1.083x / 11.2 GiB" is the predicted step time over the
 unlimited-memory step time and the simulated peak; "infeasible" means the strategy's best plan still peaks
-above the budget. Timings are wall-clock seconds on this machine.
+above the budget. Timings are wall-clock seconds on this machine. ``--precision`` is the training regime the
+models are built in (``karma_fx.zoo.build``): the headline table is bf16-mixed on the H100 preset, fp32 the
+second. Budgets are fractions of each model's own unplanned peak in that regime, so the same fraction is a
+different number of bytes per precision; the column headers give the bytes. ``--time-limit`` bounds each
+cpsat and greedy call (the other strategies make one pass). The verdict table lists, per model and budget,
+whether cpsat is at least as fast as every other strategy that fits, and by how much it is beaten where not.
 """
 from __future__ import annotations
 
@@ -32,14 +39,16 @@ LLM_MODELS = ("gpt2", "bert", "llama")
 BASELINES = ("checkpoint", "offload", "torch-budget", "karma")  # the anchors' strategies, not ours
 
 
-def run(models: list[str], strategies: list[str], budgets: list[str], *, size: str, device: str) -> list[dict[str, Any]]:
+def run(models: list[str], strategies: list[str], budgets: list[str], *, size: str, device: str,
+        precision: str = "fp32", time_limit_s: float | None = None) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for name in models:
         t0 = time.perf_counter()
-        model, args, kwargs = build(name, size, device="meta" if size == "real" else "cpu")
+        model, args, kwargs = build(name, size, device="meta" if size == "real" else "cpu", precision=precision)
         prepared = prepare(model, args, kwargs, device=device, name=name)
         prep_s = time.perf_counter() - t0
-        head = {"model": name, "ops": len(prepared.problem.ops), "unplanned_peak_bytes": prepared.unplanned_peak_bytes,
+        head = {"model": name, "precision": precision, "device": device, "ops": len(prepared.problem.ops),
+                "unplanned_peak_bytes": prepared.unplanned_peak_bytes,
                 "min_peak_bytes": prepared.min_peak_bytes(), "unlimited_ms": prepared.keep.makespan_us / 1e3,
                 "prepare_s": prep_s, "cells": [], "strategy_s": {}, "bound": {}}
         base = [b for _, b in prepared.keep.memory]
@@ -53,7 +62,8 @@ def run(models: list[str], strategies: list[str], budgets: list[str], *, size: s
                 cell: dict[str, Any] = {"strategy": strategy, "budget": budget,
                                         "budget_bytes": parse_budget(budget, prepared.unplanned_peak_bytes)}
                 try:
-                    plan = prepared.plan(budget, strategy, raise_if_infeasible=False).plan
+                    limit = time_limit_s if strategy in ("cpsat", "greedy") else None
+                    plan = prepared.plan(budget, strategy, raise_if_infeasible=False, time_limit_s=limit).plan
                     cell.update(fits=plan.fits, slowdown=plan.slowdown, peak_bytes=plan.peak_bytes)
                 except KarmaError as exc:
                     cell.update(fits=False, slowdown=None, peak_bytes=None, error=str(exc))
@@ -66,8 +76,9 @@ def run(models: list[str], strategies: list[str], budgets: list[str], *, size: s
 
 
 def print_model(head: dict[str, Any], device: str) -> None:
-    print(f"\n## {head['model']} — {head['ops']} ops on {device}; unplanned peak "
-          f"{format_bytes(head['unplanned_peak_bytes'])}, lowest reachable peak {format_bytes(head['min_peak_bytes'])}, "
+    print(f"\n## {head['model']} ({head.get('precision', 'fp32')}) — {head['ops']} ops on {device}; unplanned peak "
+          f"{format_bytes(head['unplanned_peak_bytes'])}, lowest reachable peak {format_bytes(head['min_peak_bytes'])} "
+          f"({head['min_peak_bytes'] / head['unplanned_peak_bytes']:.2f} of it), "
           f"unlimited-memory step {head['unlimited_ms']:.1f} ms")
     print(compare_table(head["cells"], tablefmt="github"))
     print("lower bound (LP relaxation of every plan): " + ", ".join(
@@ -111,6 +122,58 @@ def summary(results: list[dict[str, Any]], ours: str = "cpsat") -> str:
     return table + "\n" + ("\n".join(["cells another strategy wins:"] + losses) if losses else f"{ours} is never beaten")
 
 
+def verdicts(results: list[dict[str, Any]], ours: str = "cpsat") -> tuple[str, list[str]]:
+    """Per model and budget: ``ours``'s slowdown, the fastest other strategy that fits, and the verdict "ok"
+    (``ours`` at least as fast as every other strategy that fits, or nothing fits) or "beaten by X%" (another
+    fits faster, or fits where ``ours`` does not). Returns the table and the violating cells."""
+    rows, bad = [], []
+    for r in results:
+        for b in dict.fromkeys(c["budget"] for c in r["cells"]):
+            cells = {c["strategy"]: c for c in r["cells"] if c["budget"] == b}
+            mine = cells.get(ours)
+            if mine is None:
+                continue
+            others = sorted((c["slowdown"], s) for s, c in cells.items() if s != ours and c.get("fits"))
+            best = others[0] if others else None
+            if not mine.get("fits"):
+                verdict = "ok (nothing fits)" if best is None else f"VIOLATION: {best[1]} fits, {ours} does not"
+            elif best is None or mine["slowdown"] <= best[0] + 1e-9:
+                verdict = "ok"
+            else:
+                verdict = f"VIOLATION: {best[1]} faster by {mine['slowdown'] / best[0] - 1:.2%}"
+            if verdict.startswith("VIOLATION"):
+                bad.append(f"{r['model']} at {b}: {verdict[len('VIOLATION: '):]}")
+            budget_bytes = mine.get("budget_bytes")
+            rows.append([r["model"], b, format_bytes(budget_bytes) if budget_bytes else "—",
+                         f"{mine['slowdown']:.3f}x" if mine.get("fits") else "infeasible",
+                         f"{best[1]} {best[0]:.3f}x" if best else "—", verdict])
+    table = tabulate(rows, headers=["model", "budget", "bytes", ours, "fastest other that fits", "verdict"],
+                     tablefmt="github")
+    return table, bad
+
+
+def side_by_side(first: list[dict[str, Any]], second: list[dict[str, Any]], ours: str = "cpsat") -> str:
+    """``ours``'s cells of two runs (e.g. bf16-mixed and fp32) next to each other: per model and budget, each
+    run's budget in bytes and ``ours``'s slowdown (or "infeasible", with the run's lowest reachable peak)."""
+    def label(rs: list[dict[str, Any]]) -> str:
+        return rs[0].get("precision", "fp32") if rs else "?"
+
+    def cell(r: dict[str, Any] | None, b: str) -> list[str]:
+        c = next((c for c in (r or {}).get("cells", []) if c["strategy"] == ours and c["budget"] == b), None)
+        if c is None:
+            return ["—", "—"]
+        return [format_bytes(c["budget_bytes"]), f"{c['slowdown']:.3f}x" if c.get("fits") else
+                f"infeasible (floor {format_bytes(r['min_peak_bytes'])})"]
+    by_model = {r["model"]: r for r in second}
+    rows = []
+    for r in first:
+        for b in dict.fromkeys(c["budget"] for c in r["cells"]):
+            rows.append([r["model"], b, *cell(r, b), *cell(by_model.get(r["model"]), b)])
+    a, z = label(first), label(second)
+    return tabulate(rows, headers=["model", "budget", f"{a} bytes", f"{a} {ours}", f"{z} bytes", f"{z} {ours}"],
+                    tablefmt="github")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(KARMA_MODELS + LLM_MODELS))
@@ -118,18 +181,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.7,0.5,0.35,0.25")
     p.add_argument("--size", choices=("tiny", "real"), default="real")
     p.add_argument("--device", default="h100")
+    p.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default="fp32",
+                   help="training regime the models are built in (the headline table is bf16-mixed)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="wall-clock seconds per cpsat or greedy call (default: no limit)")
+    p.add_argument("--side-by-side", default=None,
+                   help="two earlier --json files A,B: print cpsat's cells of A next to B's and exit")
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--summary-of", default=None, help="only print the targets of earlier --json files (comma-separated)")
     a = p.parse_args(argv)
+    if a.side_by_side:
+        first, second = (json.load(open(path)) for path in a.side_by_side.split(","))
+        print(side_by_side(first, second))
+        return 0
     if a.summary_of:
         results = [r for path in a.summary_of.split(",") for r in json.load(open(path))]
         print(summary(results))
+        print(verdicts(results)[0])
         return 0
     warnings.filterwarnings("ignore", category=FutureWarning)
-    results = run(a.models.split(","), a.strategies.split(","), a.budgets.split(","), size=a.size, device=a.device)
+    results = run(a.models.split(","), a.strategies.split(","), a.budgets.split(","), size=a.size, device=a.device,
+                  precision=a.precision, time_limit_s=a.time_limit)
     if "cpsat" in a.strategies.split(","):
         print("\n## Targets (geometric mean over the models where both fit; in brackets how many)")
         print(summary(results))
+        table, bad = verdicts(results)
+        print(f"\n## cpsat against every other strategy, per cell ({a.precision}, {a.device})")
+        print(table)
+        print("\n".join(["violating cells:"] + bad) if bad else "no violating cell")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1)
