@@ -50,6 +50,9 @@ def _forward_nodes(step: CapturedStep) -> set[fx.Node]:
         stack.extend(node.all_input_nodes)
     for node in list(forward):
         forward.update(u for u in node.users if u.target is operator.getitem)
+    # What a rewrite put in the forward (swap-outs, buffer snapshots) runs there, as the partition places it,
+    # though no forward output depends on it.
+    forward.update(n for n in graph.nodes if "karma" in n.meta and n.meta.get("partitioner_tag") == "is_forward")
     return forward
 
 

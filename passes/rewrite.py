@@ -70,6 +70,7 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             forward_offloads.add(snap.name)
         return snapshots[buffer]
 
+    reloaded: dict[fx.Node, fx.Node] = {}  # offloaded tensor → its waited reload, for recomputes to read
     for d in plan.decisions:
         if isinstance(d, Offload):
             source = nodes[d.tensor]
@@ -96,13 +97,16 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             _copy_meta(fetched, source, "backward")
             _copy_meta(ready, source, "backward")
             _redirect(graph, readers, {source: ready}, storage_of, op_names)
+            reloaded[source] = ready
     for d in plan.decisions:
         if isinstance(d, Recompute):
             readers = [r for t in d.tensors for r in backward_readers(t)]
             if not readers:
                 continue
             anchor = first_in_graph(readers + [nodes[d.reload_before]])
-            replaced: dict[fx.Node, fx.Node] = {}
+            # A recompute reading an offloaded tensor (a dropout output rebuilt from its swapped-out mask)
+            # reads the reload, as the plan says; the original would stay on the device all along.
+            replaced: dict[fx.Node, fx.Node] = dict(reloaded)
             with graph.inserting_before(anchor):
                 for name in d.ops:
                     original = nodes[name]

@@ -84,3 +84,23 @@ def test_recomputed_attention_reads_the_rebuilt_projection_not_the_original():
     joint, _ = rewrite_joint(prep.step, prep.problem, plan)
     measured = measure_step(dataclasses.replace(prep.step, joint=joint), model, args, kwargs)
     assert measured.peak_bytes == plan.peak_bytes
+
+
+def test_a_recompute_reading_a_swapped_out_tensor_reads_its_reload():
+    """A dropout output rebuilt in the backward from a mask the plan swapped out: the rebuild must read the
+    reloaded mask, or the forward's mask (and its bytes) stays on the device all along."""
+    import dataclasses
+
+    import karma_fx
+    from karma_fx.passes.rewrite import rewrite_joint
+    from karma_fx.zoo import build
+
+    model, args, kwargs = build("megatron_gpt", "tiny", batch=2, seq=256, layers=2, hidden=256, heads=4, vocab=1024)
+    prep = karma_fx.prepare(model, args, kwargs)
+    plan = prep.plan(budget=0.7, strategy="greedy").plan
+    swapped = {d.tensor for d in plan.offloads}
+    readers = [d for d in plan.recomputes for op in d.ops if set(prep.problem.ops[prep.problem.op_index(op)].inputs) & swapped]
+    assert readers, "the plan should rebuild something from a swapped-out tensor"
+    joint, _ = rewrite_joint(prep.step, prep.problem, plan)
+    measured = measure_step(dataclasses.replace(prep.step, joint=joint), model, args, kwargs)
+    assert measured.peak_bytes == plan.peak_bytes
