@@ -141,6 +141,15 @@ def measure_costs(step: CapturedStep, problem: Problem, primals: list, *, allow_
                           copy_latency_us=latency, device=f"measured on {device}", allow_offload=allow_offload)
 
 
+def measured_scratch(step: CapturedStep, problem: Problem, primals: list) -> Problem:
+    """``costs="measured"``: ``problem`` with the scratch each kernel allocates on this device (measured by
+    running the step once), so that plans count the bytes the allocator really holds while an op runs."""
+    from karma_fx.passes.measure import scratch_bytes
+    from karma_fx.problem import with_scratch
+
+    return with_scratch(problem, scratch_bytes(step, primals))
+
+
 def _check_call(model: Any, args: Any, kwargs: Any) -> tuple[tuple, dict[str, Any]]:
     """``args`` as a tuple and ``kwargs`` as a dict, or a ``KarmaError`` saying what was passed."""
     from karma_fx.errors import UnsupportedModelError
@@ -177,7 +186,9 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
             if any(t.device.type == "meta" for t in model.parameters()):
                 raise KarmaError('costs="measured" times the step for real: build the model on a real device, '
                                  "not on meta")
-            cost_model = measure_costs(step, problem, real_primals(step, model, args, kwargs))
+            primals = real_primals(step, model, args, kwargs)
+            problem = measured_scratch(step, problem, primals)
+            cost_model = measure_costs(step, problem, primals)
         else:
             cost_model = estimate_costs(problem, spec)
         keep = simulate(problem, (), cost_model)

@@ -142,9 +142,11 @@ class KarmaBackend:
                 chosen["variant"] = next(v for v in region.variants if v.plan is plan)
                 return plan
             if session.config.costs == "measured":  # the region timed for real on the runtime tensors
-                from karma_fx.api import measure_costs
+                from karma_fx.api import measure_costs, measured_scratch
 
-                costs = measure_costs(step, problem, [a for a in args if isinstance(a, torch.Tensor)])
+                primals = [a for a in args if isinstance(a, torch.Tensor)]
+                problem = measured_scratch(step, problem, primals)
+                costs = measure_costs(step, problem, primals)
             else:
                 costs = estimate_costs(problem, session.config.device)
             keep = simulate(problem, (), costs)

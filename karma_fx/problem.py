@@ -9,7 +9,7 @@ that holds it, and every node that reads any alias of it counts as a user of tha
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Phase = Literal["fwd", "bwd"]
@@ -118,3 +118,18 @@ class Problem:
     @property
     def param_bytes(self) -> int:
         return sum(s.size_bytes for s in self.storages if s.kind == "param")
+
+
+def with_scratch(problem: Problem, scratch: dict[str, int]) -> Problem:
+    """``problem`` with each op's kernel scratch (op name → bytes, e.g. measured by
+    ``karma_fx.passes.measure.scratch_bytes``) as one more output that nothing reads: it is on the device
+    while the op runs, and again whenever the op is recomputed, so every strategy and the simulator count it
+    without knowing it is there. No strategy can move it: nothing reads it after its op."""
+    extra = {op.name: scratch[op.name] for op in problem.ops if scratch.get(op.name, 0) > 0}
+    if not extra:
+        return problem
+    ops = tuple(replace(op, outputs=op.outputs + (f"{op.name}:scratch",)) if op.name in extra else op
+                for op in problem.ops)
+    storages = problem.storages + tuple(Storage(f"{name}:scratch", size, "temp", problem.op_index(name), ())
+                                        for name, size in extra.items())
+    return replace(problem, ops=ops, storages=storages, _index={}, _op_index={})

@@ -144,3 +144,54 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
                     torch.cuda.synchronize()
                 samples[node.name].append((time.perf_counter() - start) * 1e6)
     return {name: statistics.median(values) for name, values in samples.items() if values}
+
+
+def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, int]:
+    """Run ``step.joint`` for real once, node by node, and return for each node the bytes its kernel
+    allocates beyond what it leaves allocated: its scratch (a mask cast to the data's dtype in dropout's
+    backward, softmax's row buffers, a convolution's reordered weights). Only nodes with some are listed.
+
+    Read off the CPU allocator's own events (torch.profiler memory records, bracketed by a
+    ``record_function`` per node): storage liveness cannot see an allocation that never becomes a tensor the
+    graph holds. The RNG state is restored afterwards, as in ``time_joint``."""
+    import bisect
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    graph = step.joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    order = execution_order(step)
+    num_fwd = forward_node_count(step)
+    devices = [t.device for t in primals if t.is_cuda][:1]
+    tag = "karma_fx.node:"
+    with _disable_current_modes(), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        env: dict[fx.Node, Any] = dict(zip(placeholders, primals))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            for pos, node in enumerate(order):
+                if pos == num_fwd:
+                    for ph in placeholders[len(primals):]:
+                        val = ph.meta["val"]
+                        env[ph] = torch.ones(val.shape, dtype=val.dtype, device=primals[0].device)
+                a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                with record_function(tag + node.name):
+                    env[node] = node.target(*a, **kw)
+        del env
+    events = prof.profiler.kineto_results.events()
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    times = [t for t, _ in memory]
+    running, total = [], 0
+    for _, nbytes in memory:
+        total += nbytes
+        running.append(total)
+    scratch: dict[str, int] = {}
+    for e in events:
+        if not e.name().startswith(tag):
+            continue
+        i, j = bisect.bisect_left(times, e.start_ns()), bisect.bisect_right(times, e.end_ns())
+        if j <= i:
+            continue
+        transient = max(running[i:j]) - running[j - 1]  # the node's peak above what it leaves allocated
+        if transient > 0:
+            scratch[e.name()[len(tag):]] = transient
+    return scratch
