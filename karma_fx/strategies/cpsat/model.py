@@ -122,6 +122,41 @@ class DecisionVars:
     rel: dict
     pre: dict
     created: list
+    memory: list = field(default_factory=list)
+    """Per op: (its memory variable, the base change at the op, (coefficient, literal) terms of the plan's
+    change, and of the recompute temporaries that count at that op only)."""
+    budget_units: int = 0
+    allow_offload: bool = True
+
+    def admits(self, cands: list[Candidate], choices: dict[str, Choice]) -> bool:
+        """Whether fixed ``choices`` meet the decision constraints (memory and timing aside): offloads only
+        with a host link, at positions among the candidate's options, and a recompute chain's reads of other
+        candidates on the device when it runs (kept, or back at their own earlier first backward read)."""
+        by_name = {c.name: c for c in cands}
+        for c in cands:
+            choice = choices.get(c.name, KEEP)
+            if choice.kind is Kind.OFFLOAD and (not self.allow_offload or choice.release not in self.rel[c.name]
+                                                or choice.prefetch not in self.pre[c.name]):
+                return False
+            if choice.kind is Kind.RECOMPUTE and c.name in self.rec:
+                for name in c.needs_kept:
+                    kind = choices.get(name, KEEP).kind
+                    back = kind is Kind.OFFLOAD or (kind is Kind.RECOMPUTE and name in self.rec)
+                    if not (kind is Kind.KEEP or (back and by_name[name].first_bwd <= c.first_bwd)):
+                        return False
+        return True
+
+    def memory_values(self, value) -> list[tuple[object, int]] | None:
+        """Every memory variable's value under fixed literals (``value`` maps a literal to 0/1), or ``None``
+        where the choices exceed the budget at some op: the memory check of a fixed-decision model, without
+        a solve."""
+        out, previous = [], 0
+        for mem, base_change, delta, temps in self.memory:
+            previous += base_change + sum(k * value(v) for k, v in delta)
+            if previous < 0 or previous + sum(k * value(v) for k, v in temps) > self.budget_units:
+                return None
+            out.append((mem, previous))
+        return out
 
     def literals(self, cands: list[Candidate], choices: dict[str, Choice]) -> list:
         """Literals fixing every candidate to ``choices`` (missing: keep)."""
@@ -164,7 +199,7 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
         created.append(v)
         return v
 
-    dv = DecisionVars({}, {}, {}, {}, {}, created)
+    dv = DecisionVars({}, {}, {}, {}, {}, created, allow_offload=allow_offload)
     by_name = {c.name: c for c in cands}
     for c in cands:
         dv.keep[c.name], dv.off[c.name] = bool_var(), bool_var()
@@ -188,25 +223,26 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
             back = ([dv.off[name]] + ([dv.rec[name]] if name in dv.rec else [])) if t.first_bwd <= c.first_bwd else []
             m.Add(dv.rec[c.name] <= dv.keep[name] + sum(back))
 
-    delta: list[list] = [[] for _ in range(len(problem.ops) + 1)]
-    temps: dict[int, list] = {}
+    # Memory as (coefficient, literal) terms per op, kept on ``dv`` so fixed choices can be checked in Python.
+    delta: list[list[tuple[int, object]]] = [[] for _ in range(len(problem.ops) + 1)]
+    temps: dict[int, list[tuple[int, object]]] = {}
     up = lambda b: -(-b // unit)  # noqa: E731
     for c in cands:
         down = c.size // unit
         for r, v in dv.rel[c.name].items():
-            delta[r].append(-down * v)
+            delta[r].append((-down, v))
         for p, v in dv.pre[c.name].items():
-            delta[p].append(down * v)
+            delta[p].append((down, v))
         if c.name in dv.rec:
             x = dv.rec[c.name]
-            delta[c.last_fwd + 1].append(-down * x)
-            delta[c.first_bwd].append(down * x)
+            delta[c.last_fwd + 1].append((-down, x))
+            delta[c.first_bwd].append((down, x))
             for storage, start, stop in c.extends:
                 size = up(problem.storage(storage).size_bytes)
-                delta[start].append(size * x)
-                delta[stop].append(-size * x)
+                delta[start].append((size, x))
+                delta[stop].append((-size, x))
             if c.chain_temp_bytes:
-                temps.setdefault(c.first_bwd, []).append(up(c.chain_temp_bytes) * x)
+                temps.setdefault(c.first_bwd, []).append((up(c.chain_temp_bytes), x))
     base = [up(b) for b in base_bytes]
     cap = max(base) + sum(up(c.size) for c in cands) + 1
     budget_units = budget_bytes // unit
@@ -214,9 +250,11 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
     for i in range(len(problem.ops)):
         mem = m.NewIntVar(0, cap, "")
         created.append(mem)
-        m.Add(mem == previous + base[i] - (base[i - 1] if i else 0) + sum(delta[i]))
-        m.Add(mem + sum(temps.get(i, ())) <= budget_units)
+        m.Add(mem == previous + base[i] - (base[i - 1] if i else 0) + sum(k * v for k, v in delta[i]))
+        m.Add(mem + sum(k * v for k, v in temps.get(i, ())) <= budget_units)
+        dv.memory.append((mem, base[i] - (base[i - 1] if i else 0), delta[i], temps.get(i, [])))
         previous = mem
+    dv.budget_units = budget_units
     return dv
 
 
@@ -225,6 +263,13 @@ DETERMINISTIC_UNITS_PER_S = 0.25
 runner, 2 interleaved workers, GPT-2 real at a 0.7 budget: the capacity model used 6.1 units in 22 s and found
 its bound (at 1 unit it found nothing); the exact model used 1.9 units in 13 s. A solve overshoots its unit
 limit (it stops between interleaved batches)."""
+
+
+INTERLEAVE_BATCH = 1
+"""Tasks per interleaved batch. CP-SAT's default batch waits for its slowest task before the search may stop:
+on resnet1001 tiny the capacity model met its gap limit after 2.6 s and returned after 12.5 s, waiting on an
+LP worker (at 1: 0.8 s, the same decisions; wrn28_10 tiny at 0.7 and resnet1001 at 0.5 planned the same or
+better plans). The answer still depends only on the model and the seed."""
 
 
 def deterministic_solver(time_limit_s: float, workers: int, seed: int):
@@ -240,4 +285,5 @@ def deterministic_solver(time_limit_s: float, workers: int, seed: int):
     solver.parameters.num_workers = workers
     solver.parameters.interleave_search = True
     solver.parameters.random_seed = seed
+    solver.parameters.interleave_batch_size = INTERLEAVE_BATCH
     return solver

@@ -24,7 +24,11 @@ class SolverOptions:
     memory_unit_bytes: int = MEMORY_UNIT
     """Granularity of the memory constraints; candidates smaller than this stay on the device."""
     good_enough_gap: float = 0.01
-    """Skip the CP-SAT models when the best heuristic is proven within this fraction of the LP bound."""
+    """Skip the CP-SAT models when the best heuristic is proven within this fraction of the LP bound, and stop
+    the exact model's search once its incumbent is that close to the bound (the LP bound or its own)."""
+    capacity_gap_share: float = 0.5
+    """The capacity model stops within this share of the good-enough gap (its decisions are re-timed and
+    polished by the exact model, which needs a start a little closer than the gap it must reach)."""
     window_size: int = 30
     max_windows: int = 4
     """The rolling-window refinement (``window.py``): at most this many windows of ``window_size``

@@ -30,7 +30,8 @@ from karma_fx.simulate import paused_gc
 from karma_fx.strategies.base import Strategy, timeline_of
 from karma_fx.strategies.cpsat.bound import lower_bound_us
 from karma_fx.strategies.cpsat.capacity import solve_capacity
-from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, leanest_choices
+from karma_fx.strategies.cpsat.descent import descend
+from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, in_prefetch_order, leanest_choices
 from karma_fx.strategies.cpsat.model import Candidate, candidates
 from karma_fx.strategies.cpsat.options import SolverOptions
 from karma_fx.strategies.cpsat.window import refine_in_windows
@@ -158,38 +159,41 @@ class CpSat:
         opts = self.options
         effort_s = opts.effort_s(len(cands))
         say("solver, memory-only pass", self.name)
+        gap_us = opts.good_enough_gap * (proven if proven is not None else problem_compute_us(costs))
         phase1 = solve_capacity(problem, costs, budget_bytes, base, cands,
                                 time_limit_s=min(effort_s, max(progress.seconds_left() / 4, 0.01)),
-                                workers=opts.workers, seed=opts.seed, unit=opts.memory_unit_bytes)
+                                workers=opts.workers, seed=opts.seed, unit=opts.memory_unit_bytes,
+                                gap_us=gap_us * opts.capacity_gap_share)
         if phase1 is not None:
             notes.append(f"solver, memory-only pass: {phase1[2].lower()} (at best {phase1[1] / 1e3:.3f} ms with "
                          "the copy and release points it considers)")
         if progress.past_deadline():
             return best
         say("solver, exact pass", self.name)
-        model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes)
-        starts = ([phase1[0]] if phase1 else []) \
+        model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes, floor_us=proven or 0.0)
+        starts = ([in_prefetch_order(cands, phase1[0])] if phase1 else []) \
             + ([choices_from_plan(problem, cands, best[1], allow_offload=costs.allow_offload)] if best else [])
-        hint, hint_time = None, math.inf
+        start, start_us = None, math.inf
         for choices in starts:
-            if progress.past_deadline():
-                break
-            t, assignment = model.evaluate(choices, opts)
-            if t is not None and t < hint_time:
-                hint, hint_time = assignment, t
-        if hint is None and not progress.past_deadline():  # the slowest start: only when no other one is expressible
-            _, hint = model.evaluate(leanest_choices(cands, costs.allow_offload), opts)
+            t, _ = model.evaluate(choices)
+            if t is not None and t < start_us:
+                start, start_us = choices, t
+        if start is None:  # the slowest start: only when no other one is expressible
+            start = leanest_choices(cands, costs.allow_offload)
+        _, descended_us, hint = descend(model, start, allow_offload=costs.allow_offload)
+        if descended_us is not None:
+            notes.append(f"solver, local search: {start_us / 1e3:.3f} -> {descended_us / 1e3:.3f} ms (predicted)")
         if progress.past_deadline():
             return best
-        result = model.solve(SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed), hint)
+        result = model.solve(SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed), hint, gap_us=gap_us)
         if result is None:
             notes.append("the solver found no plan in its time limit")
             return best
         status, choices, objective, _ = result
         decisions = model.decisions(choices)
-        # The solve's objective is the model's time for its decisions; re-timing them only helps when the search
-        # stopped at its limit (the decisions may then wait more than they need).
-        predicted = objective if status == "OPTIMAL" else model.evaluate(choices, opts)[0]
+        # The solve's step time is the model's time for its decisions (perhaps with a wait more than they need
+        # where the search stopped early): re-timing them cost up to 2 s and the simulator has the last word.
+        predicted = objective
         tl = timeline_of(problem, costs, decisions)
         quality = "optimal" if status == "OPTIMAL" else "best found"
         notes.append(f"solver, exact pass: {quality} among the points it considers, predicted "
@@ -201,6 +205,11 @@ class CpSat:
                           notes=tuple(notes))
             return (tl.makespan_us, solved, tl.peak_bytes)
         return best
+
+
+def problem_compute_us(costs: Costs) -> float:
+    """The step's compute time alone: the scale of a gap when there is no proven bound."""
+    return costs.op_starts_us()[-1]
 
 
 def _at_bound(simulated_us: float, proven: float | None) -> bool:

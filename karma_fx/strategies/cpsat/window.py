@@ -95,7 +95,7 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
         model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
         incumbent_plan = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
         _, hint = model.evaluate(choices_from_plan(problem, wcands, incumbent_plan,
-                                                   allow_offload=costs.allow_offload), options)
+                                                   allow_offload=costs.allow_offload))
         label = f"window over tensors {start}-{end - 1}"
         if hint is None:
             notes.append(f"{label}: skipped, the solver cannot express the current plan there")
