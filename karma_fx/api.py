@@ -174,7 +174,9 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
     with planning(label):
         t0 = time.perf_counter()
         report("capture")
-        step = capture(model, args, kwargs)
+        # A model on meta is only planned, for the device preset (a CUDA GPU): trace attention as it runs there.
+        on_meta = all(t.device.type == "meta" for t in model.parameters()) and any(True for _ in model.parameters())
+        step = capture(model, args, kwargs, gpu_attention=on_meta and costs == "roofline")
         t1 = time.perf_counter()
         report("liveness")
         problem = build_problem(step, name=label)

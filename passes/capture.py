@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from karma_fx.errors import KarmaError, UnsupportedModelError
 from karma_fx.passes.dropout import split_dropout
+from karma_fx.passes.gpu_attention import GpuAttention
 
 PrimalKind = Literal["param", "buffer", "input"]
 
@@ -123,8 +124,12 @@ def _fakeify(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
     return fake_mode.from_tensor(t)
 
 
-def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None) -> CapturedStep:
+def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None, *,
+            gpu_attention: bool = False) -> CapturedStep:
     """Trace ``model(*args, **kwargs)`` and the backward of its outputs into one joint aten graph.
+
+    ``gpu_attention``: trace attention with dropout as a CUDA GPU's fused kernel (``passes/gpu_attention.py``),
+    for a plan made here of a step that runs on a GPU; the graph then cannot run here.
 
     Every tensor output that requires grad is differentiated, with its incoming gradient as a ``tangents_*``
     input: exactly what ``torch.compile`` (and so ``karma_fx.compile``) runs. A HuggingFace model given
@@ -146,6 +151,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
                                     "move them to one device first")
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    attention = GpuAttention() if gpu_attention else contextlib.nullcontext()
     params = _named_unique(list(model.named_parameters(remove_duplicate=False)))
     buffers = _named_unique(list(model.named_buffers(remove_duplicate=False)))
     fake_params = {n: nn.Parameter(_fakeify(fake_mode, p.detach()), requires_grad=p.requires_grad)
@@ -164,7 +170,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
 
     # Decide whether the step differentiates a `loss` field: trace the forward once on fake tensors.
     probe = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=False)
-    with fake_mode, _as_torch_compile_sees_it(), _friendly_errors("tracing the forward"):
+    with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("tracing the forward"):
         state = {name: getattr(probe, slot) for name, slot in probe._names.items()}
         call_leaves = list(leaves)
         for slot, t in zip(tensor_slots, fake_inputs):
@@ -190,7 +196,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     def identity_compiler(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
         return gm
 
-    with fake_mode, _as_torch_compile_sees_it(), _friendly_errors("capturing the training step"):
+    with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("capturing the training step"):
         try:
             aot_module_simplified(step, tuple(fake_inputs), fw_compiler=identity_compiler,
                                   bw_compiler=identity_compiler, partition_fn=partition)
