@@ -179,3 +179,83 @@ def test_the_strategies_import_no_graph_pass():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 assert not (node.module or "").startswith("karma_fx.passes"), path
+
+
+def _random_choices(cands, seed: int) -> dict:
+    """A reproducible mix of keeps, recomputes and offloads over ``cands`` (some break the model: that is
+    part of what is checked)."""
+    import random
+
+    from karma_fx.strategies.cpsat.descent import options_of
+
+    rng = random.Random(seed)
+    return {c.name: rng.choice(options_of(c, True)) for c in cands if rng.random() < 0.4}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fixed_decisions_are_timed_as_cp_sat_would(seed):
+    """``Model.evaluate`` computes the earliest schedule in Python: its step time is CP-SAT's optimum with the
+    decisions fixed, it says None exactly where CP-SAT finds them infeasible, and its assignment is complete
+    and feasible (CP-SAT accepts it as a hint verbatim)."""
+    from ortools.sat.python import cp_model
+
+    from karma_fx.strategies.cpsat import Model
+    from karma_fx.strategies.cpsat.exact import in_prefetch_order
+    from karma_fx.strategies.cpsat.model import TIME_SCALE
+
+    prep = prepared("cnn")
+    budget = prep.unplanned_peak_bytes  # the keep plan fits: most mixes fit too
+    base = [b for _, b in prep.keep.memory]
+    cands = candidates(prep.problem, min_bytes=1)
+    model = Model(prep.problem, prep.costs, budget, base, cands, unit=1, floor_us=1.0)
+    choices = _random_choices(cands, seed)
+    for trial in (choices, in_prefetch_order(cands, choices)):
+        t, hint = model.evaluate(trial)
+        fixed = model.m.Clone()
+        for lit in model.literals(trial):
+            fixed.Add(fixed.GetBoolVarFromProtoIndex(lit.Index()) == 1)
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        status = solver.Solve(fixed)
+        if t is None:
+            assert status == cp_model.INFEASIBLE
+            continue
+        assert status == cp_model.OPTIMAL
+        assert t == pytest.approx(solver.Value(model.makespan) / TIME_SCALE)
+        pinned = model.m.Clone()
+        for var, value in hint:
+            pinned.Add(pinned.GetIntVarFromProtoIndex(var.Index()) == value)
+        assert cp_model.CpSolver().Solve(pinned) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+
+
+def test_prefetches_are_put_in_issue_order():
+    from karma_fx.strategies.cpsat.choice import Kind
+    from karma_fx.strategies.cpsat.exact import in_prefetch_order
+
+    prep = prepared("cnn")
+    cands = candidates(prep.problem, min_bytes=1)
+    for seed in range(20):
+        ordered = in_prefetch_order(cands, _random_choices(cands, seed))
+        positions = [ordered[c.name].prefetch for c in sorted(cands, key=lambda c: (c.first_bwd, c.name))
+                     if ordered[c.name].kind is Kind.OFFLOAD]
+        assert positions == sorted(positions)
+        for c in cands:
+            choice = ordered[c.name]
+            assert choice.kind is not Kind.OFFLOAD or (choice.prefetch in c.prefetches
+                                                       and choice.release <= choice.prefetch)
+
+
+def test_the_bound_and_the_plan_are_the_same_in_fresh_processes():
+    """SCIP (a node and a cut-round limit) and CP-SAT (deterministic time, interleaved batches) give the same
+    bound and the same plan in every process."""
+    import subprocess
+    import sys
+
+    script = ("import warnings; warnings.filterwarnings('ignore')\n"
+              "import karma_fx\nfrom karma_fx.zoo import build\n"
+              "m, a, k = build('wrn28_10', 'tiny')\n"
+              "p = karma_fx.prepare(m, a, k, device='h100').plan(0.7, 'cpsat', raise_if_infeasible=False).plan\n"
+              "print(repr(p.lower_bound_us), p.step_time_us, p.status, len(p.decisions))\n")
+    runs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    assert len(runs) == 1, runs

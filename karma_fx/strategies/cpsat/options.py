@@ -17,10 +17,12 @@ class SolverOptions:
     wrn28_10 (63 candidates) and resnet50 (105), never at gpt2 (221) or bert (239), where they cost ~60 s a
     plan for nothing."""
     seconds_per_candidate: float = 0.4
-    """The capacity model gets at most this much time per candidate (``time_limit_s`` at most, 5 s at least):
+    """The capacity model gets at most this much time per candidate (``time_limit_s`` at most, 2 s at least):
     a model of a dozen tensors has nothing to gain from 20 s. Measured on the tiny zoo: wrn28_10 (12
-    candidates) had its best decisions after 2 s of a 10 s proof; resnet1001 at 0.5 (26) proved its optimum
-    at a 5 s limit, and at 2 s settled for a plan 30% slower after the exact pass."""
+    candidates) had its best decisions after 2 s of a 10 s proof; resnet1001 at 0.5 (26) proves its optimum
+    in 1.5 s with batches of one task (``model.INTERLEAVE_BATCH``). Below 5 s, the local search
+    (``descent.py``) does what the longer proof did: on wrn28_10 at 0.7 it takes the capacity plan from 287
+    to 253 µs, the plan a 5 s capacity model led to."""
     memory_unit_bytes: int = MEMORY_UNIT
     """Granularity of the memory constraints; candidates smaller than this stay on the device."""
     good_enough_gap: float = 0.01
@@ -40,4 +42,4 @@ class SolverOptions:
 
     def effort_s(self, n_candidates: int) -> float:
         """The time limit of one whole-graph solve over ``n_candidates`` tensors."""
-        return min(self.time_limit_s, max(5.0, self.seconds_per_candidate * n_candidates))
+        return min(self.time_limit_s, max(2.0, self.seconds_per_candidate * n_candidates))
