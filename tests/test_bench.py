@@ -82,3 +82,21 @@ def test_versus_torch_pairs_at_equal_or_higher_peak():
     (e,) = versus.pair([P("karma cpsat", "e", 100 * mib, 50.0, fastest_ms=9.0)],
                        [P("aot_eager", "r=0.5", 101 * mib, 40.0, fastest_ms=10.0)], time="fastest_ms")
     assert e.verdict() == "faster by 11.1%"
+
+
+def test_compare_verdicts_flag_every_cell_cpsat_loses():
+    compare = load("compare")
+
+    def cell(strategy, budget, slowdown, fits=True):
+        return {"strategy": strategy, "budget": budget, "budget_bytes": 1 << 30, "fits": fits,
+                "slowdown": slowdown, "peak_bytes": 1 << 29}
+    results = [{"model": "m", "min_peak_bytes": 1 << 28, "cells": [
+        cell("cpsat", "0.7", 1.10), cell("greedy", "0.7", 1.10), cell("karma", "0.7", 1.30),  # a tie is ok
+        cell("cpsat", "0.5", 1.28), cell("greedy", "0.5", 1.141),  # beaten: greedy is faster
+        cell("cpsat", "0.35", 9.0, fits=False), cell("checkpoint", "0.35", 2.0),  # another fits, cpsat not
+        cell("cpsat", "0.25", 9.0, fits=False), cell("greedy", "0.25", 9.0, fits=False)]}]  # nothing fits
+    table, bad = compare.verdicts(results)
+    assert bad == ["m at 0.5: greedy faster by 12.18%", "m at 0.35: checkpoint fits, cpsat does not"]
+    assert "ok (nothing fits)" in table and "1.00 GiB" in table
+    side = compare.side_by_side(results, results)
+    assert "infeasible (floor" in side and "1.100x" in side
