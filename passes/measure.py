@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -110,40 +110,51 @@ def _live_storage_bytes(values: Any) -> int:
     return sum(seen.values())
 
 
+def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable[[fx.Node], Any]) -> None:
+    """Run ``step.joint`` once for real, node by node in execution order (as the boxed forward and backward
+    graphs run it), each node inside the context manager ``around(node)``; tangents are ones. Called from
+    inside AOTAutograd's partitioner too, where a fake-tensor mode is active: it runs on the real tensors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
+    num_fwd = forward_node_count(step)
+    with _disable_current_modes(), torch.no_grad():
+        env: dict[fx.Node, Any] = dict(zip(placeholders, primals))
+        for pos, node in enumerate(execution_order(step)):
+            if pos == num_fwd:
+                for ph in placeholders[len(primals):]:
+                    val = ph.meta["val"]
+                    env[ph] = torch.ones(val.shape, dtype=val.dtype, device=primals[0].device)
+            a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            with around(node):
+                env[node] = node.target(*a, **kw)
+
+
 def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
-    """Run ``step.joint`` for real ``repeats`` times, node by node in execution order (as the boxed forward and
-    backward graphs run it), and return each node's median wall time in µs (CUDA is synchronised per node).
+    """Run ``step.joint`` for real ``repeats`` times and return each node's median wall time in µs (CUDA is
+    synchronised per node).
 
     The RNG state is restored afterwards, so timing a step changes no dropout mask of the training that
     follows; the joint graph is functional, so no parameter or buffer is updated."""
+    import contextlib
     import statistics
     import time
 
-    graph = step.joint.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    order = execution_order(step)
-    num_fwd = forward_node_count(step)
     cuda = any(t.is_cuda for t in primals)
-    samples: dict[str, list[float]] = {n.name: [] for n in order}
-    devices = [t.device for t in primals if t.is_cuda][:1]
-    from torch.utils._python_dispatch import _disable_current_modes
+    samples: dict[str, list[float]] = {}
 
-    # Called from inside AOTAutograd's partitioner, where a fake-tensor mode is active: run on the real tensors.
-    with _disable_current_modes(), torch.no_grad(), torch.random.fork_rng(devices=devices):
+    @contextlib.contextmanager
+    def timed(node: fx.Node) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+        samples.setdefault(node.name, []).append((time.perf_counter() - start) * 1e6)
+
+    with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
         for _ in range(repeats):
-            env: dict[fx.Node, Any] = dict(zip(placeholders, primals))
-            for pos, node in enumerate(order):
-                if pos == num_fwd:
-                    for ph in placeholders[len(primals):]:
-                        val = ph.meta["val"]
-                        env[ph] = torch.ones(val.shape, dtype=val.dtype, device=primals[0].device)
-                a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-                start = time.perf_counter()
-                env[node] = node.target(*a, **kw)
-                if cuda:
-                    torch.cuda.synchronize()
-                samples[node.name].append((time.perf_counter() - start) * 1e6)
-    return {name: statistics.median(values) for name, values in samples.items() if values}
+            _run_joint(step, primals, timed)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, int]:
@@ -157,26 +168,11 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
     import bisect
 
     from torch.profiler import ProfilerActivity, profile, record_function
-    from torch.utils._python_dispatch import _disable_current_modes
 
-    graph = step.joint.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    order = execution_order(step)
-    num_fwd = forward_node_count(step)
-    devices = [t.device for t in primals if t.is_cuda][:1]
     tag = "karma_fx.node:"
-    with _disable_current_modes(), torch.no_grad(), torch.random.fork_rng(devices=devices):
-        env: dict[fx.Node, Any] = dict(zip(placeholders, primals))
+    with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            for pos, node in enumerate(order):
-                if pos == num_fwd:
-                    for ph in placeholders[len(primals):]:
-                        val = ph.meta["val"]
-                        env[ph] = torch.ones(val.shape, dtype=val.dtype, device=primals[0].device)
-                a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-                with record_function(tag + node.name):
-                    env[node] = node.target(*a, **kw)
-        del env
+            _run_joint(step, primals, lambda node: record_function(tag + node.name))
     events = prof.profiler.kineto_results.events()
     memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     times = [t for t, _ in memory]
