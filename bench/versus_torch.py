@@ -4,6 +4,7 @@ equal allocator-measured peak, on medium CPU models whose ops take a millisecond
     python bench/versus_torch.py                                   # both models, --steps 3: ~10 min on 2 cores
     python bench/versus_torch.py --models resnet18-64px --budgets 0.8,0.6 --ratios 1.0,0.5,0.0
     python bench/versus_torch.py --backends aot_eager,inductor     # also the budget partitioner under Inductor
+    python bench/versus_torch.py --karma-compilers inductor --backends inductor   # both sides under Inductor
 
 Models: a 4-layer d=512 GPT at sequence 512 (batch 2, vocab 2048) and a ResNet-18 (basic blocks [2, 2, 2, 2],
 width 64) on 64x64 images, batch 32. Every configuration gets a fresh model and a reset Dynamo, is run twice
@@ -50,6 +51,7 @@ baseline point at a peak no higher than karma's (a baseline that dominates) is n
 # dataclasses resolve string annotations through sys.modules.
 
 import argparse
+import itertools
 import contextlib
 import gc
 import statistics
@@ -247,10 +249,10 @@ def _fresh(name: str) -> Iterator[tuple[nn.Module, tuple, dict]]:
         gc.collect()
 
 
-def karma_range(name: str) -> tuple[int, int]:
+def karma_range(name: str, compiler: str = "eager") -> tuple[int, int]:
     """The compiled step's lowest reachable peak and its unplanned peak (bytes), from a probe step."""
     with _fresh(name) as (model, args, kwargs):
-        probe = karma_fx.compile(model, budget=1.0, strategy="keep")
+        probe = karma_fx.compile(model, budget=1.0, strategy="keep", compiler=compiler)
         output_to_loss(probe(*args, **kwargs)).backward()
         return probe.min_budget_bytes, probe.unplanned_peak_bytes
 
@@ -271,19 +273,19 @@ def sweep(name: str, a: argparse.Namespace) -> dict[str, list[Point]]:
     with _fresh(name) as (model, args, kwargs):
         add("eager", "unplanned", *measure(model, model, args, kwargs, a.steps))
     sync = (lambda: copy_mode("sync")) if a.copies == "threads" else None
-    floor, unplanned = karma_range(name)
-    for strategy in a.strategies.split(","):
+    for compiler, strategy in itertools.product(a.karma_compilers.split(","), a.strategies.split(",")):
+        floor, unplanned = karma_range(name, compiler)
+        family = f"karma {strategy}" + (" +inductor" if compiler == "inductor" else "")
         for position in a.budgets.split(","):
             budget = int(floor + float(position) * (unplanned - floor))
             knob = f"{position}: {budget / MIB:.1f} MiB"
             with _fresh(name) as (model, args, kwargs):
                 step = karma_fx.compile(model, budget=budget, strategy=strategy, costs="measured",
-                                        time_limit_s=a.time_limit)
+                                        time_limit_s=a.time_limit, compiler=compiler)
                 try:
-                    add(f"karma {strategy}", knob,
-                        *measure(model, step, args, kwargs, a.steps, lambda: copy_mode(a.copies), sync))
+                    add(family, knob, *measure(model, step, args, kwargs, a.steps, lambda: copy_mode(a.copies), sync))
                 except InfeasibleBudgetError as e:
-                    print(f"  {name} karma {strategy} {knob}: infeasible ({e})", flush=True)
+                    print(f"  {name} {family} {knob}: infeasible ({e})", flush=True)
     for backend in a.backends.split(","):
         for ratio in a.ratios.split(","):
             with _fresh(name) as (model, args, kwargs):
@@ -336,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--strategies", default="cpsat", help="karma strategies, e.g. cpsat,karma")
+    p.add_argument("--karma-compilers", default="eager",
+                   help="compiler= of the karma steps: eager, inductor or both (eager,inductor); compare "
+                        "'karma ... +inductor' with --backends inductor")
     p.add_argument("--budgets", default="0.75,0.5,0.25,0.0",
                    help="karma budgets, as positions between the compiled step's lowest reachable peak (0) and "
                         "its unplanned peak (1)")
