@@ -260,3 +260,54 @@ def test_the_bound_and_the_plan_are_the_same_in_fresh_processes():
     runs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     assert len(runs) == 1, runs
+
+
+# ---- repeated blocks (issue 14 item 1) -------------------------------------------------------------------------
+import functools  # noqa: E402  (this block is appended; the imports above belong to others' tests)
+
+
+@functools.lru_cache(maxsize=None)
+def _four_layer_gpt():
+    """A 4-layer tiny GPT whose peak is in the layers (a small vocabulary keeps the head below them)."""
+    import karma_fx
+    from karma_fx.zoo import build
+
+    model, args, kwargs = build("megatron_gpt", "tiny", layers=4, vocab=32, hidden=64)
+    return karma_fx.prepare(model, args, kwargs, device="h100", name="gpt4")
+
+
+def test_identical_layers_are_found_and_a_copied_block_plan_is_exact():
+    """The 4 layers form a group of 4 identical blocks, and the representative's decisions copied into every
+    block are exactly the decisions made for each block directly (names mapped by relative position)."""
+    from karma_fx.strategies.cpsat.blocks import find_groups, replicate, touches
+    from karma_fx.strategies.cpsat.repeat import representative
+    from karma_fx.strategies.leanest import leanest_swaps
+
+    prep = _four_layer_gpt()
+    problem = prep.problem
+    groups = find_groups(problem)
+    assert len(groups[0].blocks) == 4
+    group = groups[0]
+    rep = representative(group)
+    everything = leanest_swaps(problem)
+    mine = tuple(d for d in everything if touches(problem, d, rep))
+    in_group = {d for d in everything if any(touches(problem, d, b) for b in group.blocks)}
+    assert mine and set(replicate(problem, group, rep, mine, ())) == in_group
+    tl = simulate(problem, tuple(in_group), prep.costs)
+    assert tl.peak_bytes < simulate(problem, (), prep.costs).peak_bytes
+
+
+def test_past_the_size_threshold_the_block_pass_runs_and_never_loses_to_greedy():
+    """With ``max_candidates`` below the graph's candidates, cpsat solves one block per group and copies it:
+    the plan fits and is no slower than greedy's; small graphs (below the threshold) never take this path."""
+    prep = _four_layer_gpt()
+    problem, costs = prep.problem, prep.costs
+    floor, peak = prep.min_peak_bytes(), prep.unplanned_peak_bytes
+    budget = int(floor + 0.6 * (peak - floor))
+    greedy = make_strategy("greedy")
+    plan = CpSat([greedy], SolverOptions(max_candidates=3, max_window_ops=0, memory_unit_bytes=1024))(
+        problem, costs, budget)
+    tl, tg = simulate(problem, plan.decisions, costs), simulate(problem, greedy(problem, costs, budget).decisions, costs)
+    assert tl.peak_bytes <= budget and tl.makespan_us <= tg.makespan_us + 1e-6
+    assert any("groups of identical blocks" in n for n in plan.notes)
+    assert plan.status.startswith(("BLOCKS:", "FALLBACK:greedy"))

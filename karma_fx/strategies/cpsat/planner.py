@@ -5,7 +5,11 @@ step time of the compute stream and the two copy streams (models: ``model.py``, 
 
 It is never worse than the heuristics: every heuristic plan that fits is simulated, the best one is the
 fallback, and the solver's plan is kept only if the simulator confirms it is at least as fast. The status
-says which won: OPTIMAL / FEASIBLE (solver, with its bound) or FALLBACK:<strategy>.
+says which won: OPTIMAL / FEASIBLE (solver, with its bound) or FALLBACK:<strategy>. Past ``max_candidates``
+the whole-graph models are not built; identical blocks are solved once and copied instead (``repeat.py``),
+and a plan they improve says ``BLOCKS:OPTIMAL(k/m blocks)`` (k of the m repeated blocks took a copy of a
+block solved to optimality; FEASIBLE when the solve stopped early), ``+REPAIR`` when the windows then
+improved it across block boundaries.
 
 Without a host link (``costs.allow_offload`` false) the fallbacks, the models and the bound only keep or
 recompute: this is then Checkmate's problem (rematerialization under a memory budget).
@@ -34,6 +38,7 @@ from karma_fx.strategies.cpsat.descent import descend
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, in_prefetch_order, leanest_choices
 from karma_fx.strategies.cpsat.model import Candidate, candidates
 from karma_fx.strategies.cpsat.options import SolverOptions
+from karma_fx.strategies.cpsat.repeat import plan_by_blocks
 from karma_fx.strategies.cpsat.window import refine_in_windows
 from karma_fx.strategies.leanest import leanest_decisions, leanest_moves
 
@@ -128,6 +133,20 @@ class CpSat:
                         status="INFEASIBLE", lower_bound_us=proven,
                         notes=tuple(notes) + ("no plan found fits: the plan with the lowest peak is returned",)
                         + tuple(stopped))
+        # Too many candidates for one model: solve one block of each group of identical blocks and copy it
+        # (``repeat.py``); the status says how many blocks took a copy and whether their model was optimal.
+        block_status = None
+        if not cands and len(all_cands) > opts.max_candidates and not out_of_time():
+            say("solver, repeated blocks", self.name)
+            blocks = plan_by_blocks(problem, costs, budget_bytes, best[1].decisions, best[0], all_cands, opts)
+            notes.extend(blocks.notes)
+            if blocks.blocks_replicated:
+                quality = "OPTIMAL" if blocks.blocks_proven == blocks.blocks_replicated else "FEASIBLE"
+                block_status = f"BLOCKS:{quality}({blocks.blocks_replicated}/{blocks.blocks_total} blocks)"
+                tl = timeline_of(problem, costs, blocks.decisions)
+                best = (tl.makespan_us, Plan(strategy=self.name, budget_bytes=budget_bytes,
+                                             decisions=blocks.decisions, status=block_status,
+                                             lower_bound_us=proven), tl.peak_bytes)
         # Windows re-solve at most ``window_size`` tensors each: when the whole-graph models have just decided
         # all of them at once, a window would solve the same model again.
         one_window = bool(cands) and len(all_cands) <= opts.window_size
@@ -143,7 +162,8 @@ class CpSat:
             out_of_time()  # the windows stop at the deadline too: say so if they did
             if refined != best[1].decisions:
                 origin = "the solver's" if best[1].strategy == self.name else f"{best[1].strategy}'s"
-                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=refined, status="FEASIBLE",
+                status = f"{block_status}+REPAIR" if block_status else "FEASIBLE"
+                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=refined, status=status,
                             lower_bound_us=proven, notes=tuple(notes) + (f"the windows improved {origin} plan",)
                             + tuple(stopped))
         if best[1].strategy == self.name:

@@ -1,0 +1,134 @@
+"""The exact planner where the step is too big for one model but made of repeated blocks (``blocks.py``).
+
+Why: past a few hundred candidates the whole-graph CP-SAT models do not finish, but a transformer layer or a
+ResNet bottleneck has a dozen saved tensors. For each group of identical blocks, one representative (the last
+one, nearest the forward/backward turn where the peak is) is solved at tensor level by the exact model
+(keep / offload with its copy timing / recompute), everything outside it pinned to the incumbent plan, so its
+memory allowance at every op is the budget minus what the rest of the step holds there. Its decisions are
+copied to every block of the group by relative position, the whole plan is simulated, and it replaces the
+incumbent only if it fits and is faster. When copying into every block overshoots the budget (the
+representative was solved against the incumbent's other blocks, which then change), the copies go into each
+half of the group, recursively, wherever they fit: the repair across block boundaries. The simulator has the last word, so this never returns a plan worse than
+the incumbent it was given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from karma_fx import progress
+from karma_fx.costs import Costs
+from karma_fx.errors import InvalidPlanError
+from karma_fx.plan import Decision, Plan
+from karma_fx.problem import Problem
+from karma_fx.strategies.base import reconcile, timeline_of
+from karma_fx.strategies.cpsat.blocks import Block, BlockGroup, find_groups, replicate, touches
+from karma_fx.strategies.cpsat.descent import descend
+from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, leanest_choices
+from karma_fx.strategies.cpsat.model import Candidate
+from karma_fx.strategies.cpsat.options import SolverOptions
+from karma_fx.strategies.cpsat.window import per_op_memory, window_candidates
+
+
+@dataclass
+class BlockResult:
+    """What the block pass did: the decisions, their simulated step time, and per group whether its
+    representative's model was solved to optimality (for that sub-problem: its block's tensors, the rest
+    of the step pinned) and whether its copies made it into the plan."""
+
+    decisions: tuple[Decision, ...]
+    step_us: float
+    blocks_total: int = 0
+    blocks_proven: int = 0
+    blocks_replicated: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def representative(group: BlockGroup) -> Block:
+    """The middle block: the first and last ones sit next to the embedding or the head, whose release and
+    prefetch points differ from the bulk's."""
+    return group.blocks[len(group.blocks) // 2]
+
+
+def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, cut: int,
+                          current: tuple[Decision, ...], group: BlockGroup, cands: list[Candidate],
+                          options: SolverOptions) -> tuple[str, tuple[Decision, ...]] | None:
+    """The representative's best decisions with the rest of ``current`` pinned and its allowance cut by
+    ``cut`` bytes wherever its saved tensors may be away (between its last op and its first backward read;
+    elsewhere it can free nothing, and a cut there would only make the model infeasible): (CP-SAT status,
+    decisions), or ``None`` when the model finds none."""
+    rep = representative(group)
+    names = set(rep.saved)
+    window = [c for c in cands if c.name in names]
+    if not window:
+        return None
+    outside = tuple(d for d in current if not touches(problem, d, rep))
+    wcands = window_candidates(problem, window, outside)
+    base = per_op_memory(problem, timeline_of(problem, costs, outside))
+    base = [b + cut if rep.stop < i < rep.bwd_anchor else b for i, b in enumerate(base)]
+    model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
+    incumbent = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
+    start = choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload)
+    if model.evaluate(start)[0] is None:
+        start = leanest_choices(wcands, costs.allow_offload)
+    _, _, hint = descend(model, start, allow_offload=costs.allow_offload)
+    if progress.past_deadline():
+        return None
+    limit = options.effort_s(len(wcands))
+    result = model.solve(SolverOptions(limit, options.workers, options.seed), hint)
+    if result is None:
+        return None
+    status, choices, _, _ = result
+    return status, model.decisions(choices)
+
+
+def _copy_into(problem: Problem, costs: Costs, budget_bytes: int, group: BlockGroup,
+               solved: tuple[Decision, ...], out: "BlockResult", targets: list[Block]) -> int:
+    """Copy ``solved`` into ``targets`` if the whole plan then fits and is faster; otherwise into each half of
+    them, recursively (the copies fit where the incumbent's other blocks leave room: a plan that frees more
+    early and less late keeps its early blocks). Returns how many blocks took the copy."""
+    if not targets or progress.past_deadline():
+        return 0
+    try:
+        trial = reconcile(problem, replicate(problem, group, representative(group), solved, out.decisions, targets))
+        tl = timeline_of(problem, costs, trial)
+    except (InvalidPlanError, ValueError):
+        tl = None
+    if tl is not None and tl.peak_bytes <= budget_bytes and tl.makespan_us < out.step_us - 1e-6:
+        out.decisions, out.step_us = trial, tl.makespan_us
+        return len(targets)
+    if len(targets) == 1:
+        return 0
+    half = len(targets) // 2
+    return (_copy_into(problem, costs, budget_bytes, group, solved, out, targets[:half])
+            + _copy_into(problem, costs, budget_bytes, group, solved, out, targets[half:]))
+
+
+def plan_by_blocks(problem: Problem, costs: Costs, budget_bytes: int, incumbent: tuple[Decision, ...],
+                   incumbent_us: float, cands: list[Candidate], options: SolverOptions) -> BlockResult:
+    """Improve ``incumbent`` (simulated ``incumbent_us``, fitting ``budget_bytes``) group by group, the
+    largest group first; stops at the deadline of the call (``progress``)."""
+    groups = find_groups(problem)
+    out = BlockResult(incumbent, incumbent_us, blocks_total=sum(len(g.blocks) for g in groups))
+    if not groups:
+        out.notes.append("no repeated blocks found")
+        return out
+    out.notes.append(f"{len(groups)} groups of identical blocks ("
+                     + ", ".join(f"{len(g.blocks)} x {g.size} ops" for g in groups) + ")")
+    for k, group in enumerate(groups):
+        if progress.past_deadline():
+            out.notes.append(f"{len(groups) - k} groups skipped: out of time")
+            break
+        progress.report(f"solver, block group {k + 1} of {len(groups)}")
+        label = f"block group {k + 1} ({len(group.blocks)} x {group.size} ops)"
+        solved = _solve_representative(problem, costs, budget_bytes, 0, out.decisions, group, cands, options)
+        if solved is None:
+            out.notes.append(f"{label}: the solver found nothing")
+            continue
+        status, decisions = solved
+        before = out.step_us
+        copied = _copy_into(problem, costs, budget_bytes, group, decisions, out, list(group.blocks))
+        out.blocks_replicated += copied
+        out.blocks_proven += copied if status == "OPTIMAL" else 0
+        out.notes.append(f"{label}: {status.lower()} for its block, copied into {copied} of {len(group.blocks)}: "
+                         f"{before / 1e3:.3f} -> {out.step_us / 1e3:.3f} ms")
+    return out
