@@ -1,0 +1,189 @@
+"""Fusion-aware memory for ``compiler="inductor"``: the intermediates Inductor never allocates cost nothing.
+
+The planner's ``Problem`` is built from the decomposed joint graph, one storage per tensor an op makes. Run op
+by op (``compiler="eager"``) every such tensor is allocated. Inductor instead generates one loop nest per
+group of fused nodes: a pointwise or reduction node whose every reader is fused with it is computed in
+registers inside the reader's kernel (Inductor inlines it into its readers' loads, or realises it and then
+drops it as a kernel-local buffer), so it is never allocated. A plan that counts those tensors budgets memory
+Inductor does not use and moves more than it needs to.
+
+``inductor_problem`` gives such storages 0 bytes and leaves everything else (names, producers, readers, op
+times) as it was, so every strategy, the lower bound and the simulator count what Inductor allocates without
+knowing why, and every decision still names a node of the graph the rewrite edits. A storage is *fused* when
+
+* an op Inductor computes in its own loops makes it (``fusible_ops``: ops tagged pointwise or reduction, and
+  index loads and constant fills that Inductor lowers to loops), it is an activation or a backward temporary
+  (not a weight, input, tangent or gradient) and the step does not return it;
+* it has readers, and every one is such an op, in the same phase as its maker: an extern kernel (a matmul, a
+  convolution, a fallback or a ``karma`` op) reads a realised buffer, and a forward tensor the backward reads
+  is saved by the partition, so it exists between the two graphs.
+
+Fused storages are never candidates to offload or recompute (no backward op reads them); a recompute that
+rebuilds a chain rebuilds it in the backward, where Inductor fuses the chain again. Op times are left as they
+are: a fused chain's cost model still sees each op's own reads and writes, which overstates the time of a
+chain that is memory-bound but does not change what fits. What the rule does not see: Inductor writing a
+kernel's output in place into an input buffer that dies there (``inplace_buffers``), and a multi-reader
+pointwise node Inductor realises because inlining it would repeat too much work; both are rare in the
+transformer and MLP steps measured in ``bench/inductor_overhead.py``.
+
+Example::
+
+    problem = inductor_problem(build_problem(step), fusible_ops(step.joint.graph))
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import replace
+from typing import Collection
+
+import torch
+import torch.fx as fx
+
+from karma_fx.problem import Problem
+
+__all__ = ["delayed_matmuls", "fusible_ops", "fused_storages", "inductor_problem", "inlined_ops"]
+
+_LOOP_OPS: frozenset[str] = frozenset({
+    "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
+    "aten.full.default", "aten.scalar_tensor.default", "aten.zeros.default", "aten.ones.default",
+    "aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten._to_copy.default",
+    "aten.clone.default", "aten.var_mean.correction", "aten.max.dim", "aten.min.dim", "prims.iota.default",
+    "prims.convert_element_type.default",
+})
+"""Untagged ops that Inductor lowers to a loop nest of its own (an index load, a fill, a copy, a Welford or
+arg reduction) rather than to an extern kernel, so they fuse like pointwise and reduction nodes."""
+
+_FUSED_KINDS = ("activation", "temp")
+
+_HEAVY_ON_CPU = ("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")
+"""Ops whose result Inductor's CPU backend stores rather than recomputes in each of several readers."""
+
+
+def _computes_in_loops(target: object) -> bool:
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags:
+            return True
+    return str(target) in _LOOP_OPS
+
+
+def _is_reduction(target: object) -> bool:
+    name = str(target)
+    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.reduction in target.tags) or name in (
+        "aten.var_mean.correction", "aten.max.dim", "aten.min.dim")
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
+
+
+def fusible_ops(graph: fx.Graph) -> frozenset[str]:
+    """Names of the call nodes of ``graph`` that Inductor computes in its own (fusible) loops: pointwise and
+    reduction ops, index loads, fills and copies. Everything else (matmuls, convolutions, random draws,
+    scatters, fallbacks, ``karma`` ops) is an extern kernel that reads and writes allocated buffers."""
+    return frozenset(n.name for n in graph.nodes if n.op == "call_function" and _computes_in_loops(n.target))
+
+
+def inlined_ops(graph: fx.Graph) -> frozenset[str]:
+    """Names of the pointwise nodes of ``graph`` whose result Inductor's lowering inlines into its readers
+    rather than storing. Lowering walks the graph in order and stores (realises) a pointwise result that
+    several nodes read when recomputing it in each would cost too much: its expression, with everything
+    inlined into it, holds a transcendental op on a CPU, more than ``realize_opcount_threshold`` ops, or
+    reads more than ``realize_reads_threshold`` stored buffers; and any result that has accumulated more
+    than the accumulated-reads threshold of buffer reads. Reductions always write a buffer."""
+    from torch._inductor import config
+
+    reads: dict[fx.Node, frozenset[fx.Node]] = {}
+    ops: dict[fx.Node, frozenset[str]] = {}
+    count: dict[fx.Node, int] = {}
+    inlined: set[fx.Node] = set()
+    base: dict[fx.Node, fx.Node] = {}
+    opcount_limit = config.realize_opcount_threshold or config._realize_opcount_threshold_default
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if _is_view(node) and node.all_input_nodes:
+            base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0])
+            continue
+        if not _computes_in_loops(node.target) or _is_reduction(node.target):
+            continue
+        my_reads: set[fx.Node] = set()
+        my_ops = {str(node.target).split(".")[1] if str(node.target).count(".") >= 2 else str(node.target)}
+        my_count = 1
+        for arg in node.all_input_nodes:
+            src = base.get(arg, arg)
+            if src in inlined:
+                my_reads |= reads[src]
+                my_ops |= ops[src]
+                my_count += count[src]
+            else:
+                my_reads.add(src)
+        val = node.meta.get("val")
+        cpu = isinstance(val, torch.Tensor) and val.device.type == "cpu"
+        acc_limit = (config.realize_acc_reads_threshold
+                     or (config.realize_cpu_acc_reads_threshold if cpu else config._realize_acc_reads_threshold_default))
+        many_readers = len(set(node.users)) > 1 or any(_is_view(u) and len(u.users) > 1 for u in node.users)
+        stored = (many_readers and ((cpu and any(op in _HEAVY_ON_CPU for op in my_ops))
+                                    or my_count > opcount_limit or len(my_reads) > config.realize_reads_threshold)
+                  ) or len(my_reads) > acc_limit
+        if not stored:
+            inlined.add(node)
+            reads[node], ops[node], count[node] = frozenset(my_reads), frozenset(my_ops), my_count
+    return frozenset(n.name for n in inlined)
+
+
+def fused_storages(problem: Problem, fusible: Collection[str], inlined: Collection[str]) -> frozenset[str]:
+    """The storages of ``problem`` that Inductor would not allocate (the rule in the module docstring), given
+    the names of the ops it computes in fusible loops and of those whose result it inlines into its readers."""
+    fusible, inlined = frozenset(fusible), frozenset(inlined)
+    fused = set()
+    for s in problem.storages:
+        if s.kind not in _FUSED_KINDS or s.is_output or s.producer is None or not s.users:
+            continue
+        maker = problem.ops[s.producer]
+        if maker.name not in inlined or maker.mutates:
+            continue
+        if all(problem.ops[u].name in fusible and problem.ops[u].phase == maker.phase for u in s.users):
+            fused.add(s.name)
+    return frozenset(fused)
+
+
+def delayed_matmuls(problem: Problem) -> Problem:
+    """``problem`` with Inductor's post-grad ``addmm`` rewrite applied: ``add(mm(a, b), c)`` becomes
+    ``addmm(c, a, b)`` where the add was, so the matmul runs as late as its addend is ready (a tied weight's
+    gradient waits for the embedding's backward at the end of the step) and its inputs live until then. The
+    add reads ``a`` and ``b`` too, and the product, written into the add's output, has 0 bytes."""
+    delayed: dict[int, tuple[str, ...]] = {}
+    gone: set[str] = set()
+    for k, op in enumerate(problem.ops):
+        if op.target != "aten.mm.default" or len(op.outputs) != 1:
+            continue
+        out = problem.storage(op.outputs[0])
+        if out.is_output or len(out.users) != 1:
+            continue
+        add = problem.ops[out.users[0]]
+        if (add.target != "aten.add.Tensor" or add.phase != op.phase or len(add.outputs) != 1
+                or problem.storage(add.outputs[0]).size_bytes != out.size_bytes):
+            continue
+        delayed[out.users[0]] = delayed.get(out.users[0], ()) + tuple(i for i in op.inputs if i not in add.inputs)
+        gone.add(out.name)
+    if not delayed:
+        return problem
+    ops = tuple(replace(op, inputs=op.inputs + tuple(dict.fromkeys(delayed[k]))) if k in delayed else op
+                for k, op in enumerate(problem.ops))
+    readers: dict[str, set[int]] = {}
+    for k, op in enumerate(ops):
+        for name in op.inputs:
+            readers.setdefault(name, set()).add(k)
+    storages = tuple(replace(s, users=tuple(sorted(readers.get(s.name, ()))),
+                             size_bytes=0 if s.name in gone else s.size_bytes) for s in problem.storages)
+    return replace(problem, ops=ops, storages=storages, _index={}, _op_index={})
+
+
+def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collection[str]) -> Problem:
+    """``problem`` as Inductor allocates it: each fused storage (``fused_storages``) has 0 bytes. Names, ops
+    and readers are unchanged, so plans made on it apply to the graph ``problem`` was built from."""
+    fused = fused_storages(problem, fusible, inlined)
+    if fused:
+        storages = tuple(replace(s, size_bytes=0) if s.name in fused else s for s in problem.storages)
+        problem = replace(problem, storages=storages, _index={}, _op_index={})
+    return delayed_matmuls(problem)
