@@ -9,9 +9,9 @@ Variants run interleaved, step by step, so machine drift hits them alike; median
 
 Peak table: the allocator-measured peak (``karma_fx.measure_run.AllocatorPeak``, torch.profiler memory
 events, a steady-state step) of plain Inductor and of karma + Inductor at each fraction in ``--budgets``,
-beside the plan's predicted peak. The plan is made on the decomposed graph Inductor compiles, counting every
-intermediate as materialised; where Inductor fuses a pointwise chain the intermediates never exist, so the
-measured peak is expected below the prediction (the gap is what a fusion-aware problem would win back).
+beside the plan's predicted peak. The plan is made on the problem as Inductor allocates it
+(``karma_fx.fusion.inductor_problem``: fused pointwise intermediates cost nothing, the addmm rewrite's later
+matmul is modelled), so the measured peak is expected within a few percent of the prediction.
 """
 from __future__ import annotations
 

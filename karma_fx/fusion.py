@@ -11,24 +11,27 @@ Inductor does not use and moves more than it needs to.
 times) as it was, so every strategy, the lower bound and the simulator count what Inductor allocates without
 knowing why, and every decision still names a node of the graph the rewrite edits. A storage is *fused* when
 
-* an op Inductor computes in its own loops makes it (``fusible_ops``: ops tagged pointwise or reduction, and
-  index loads and constant fills that Inductor lowers to loops), it is an activation or a backward temporary
-  (not a weight, input, tangent or gradient) and the step does not return it;
-* it has readers, and every one is such an op, in the same phase as its maker: an extern kernel (a matmul, a
-  convolution, a fallback or a ``karma`` op) reads a realised buffer, and a forward tensor the backward reads
-  is saved by the partition, so it exists between the two graphs.
+* Inductor inlines the op that makes it (``inlined_ops``: a pointwise op, index load, fill or copy whose
+  result Inductor's realise-on-reuse rules do not store; reductions always write a buffer), it is an
+  activation or a backward temporary (not a weight, input, tangent or gradient) and the step does not return it;
+* it has readers, and every one computes in Inductor's loops (``fusible_ops``), in the same phase as its
+  maker: an extern kernel (a matmul, a convolution, a fallback or a ``karma`` op) reads a realised buffer, and
+  a forward tensor the backward reads is saved by the partition, so it exists between the two graphs.
+
+One rewrite moves memory the other way: Inductor's post-grad pass turns ``add(mm(a, b), c)`` into
+``addmm(c, a, b)`` where the add was, so ``a`` and ``b`` live until then (``delayed_matmuls``).
 
 Fused storages are never candidates to offload or recompute (no backward op reads them); a recompute that
 rebuilds a chain rebuilds it in the backward, where Inductor fuses the chain again. Op times are left as they
 are: a fused chain's cost model still sees each op's own reads and writes, which overstates the time of a
-chain that is memory-bound but does not change what fits. What the rule does not see: Inductor writing a
-kernel's output in place into an input buffer that dies there (``inplace_buffers``), and a multi-reader
-pointwise node Inductor realises because inlining it would repeat too much work; both are rare in the
-transformer and MLP steps measured in ``bench/inductor_overhead.py``.
+chain that is memory-bound but does not change what fits. Not modelled: Inductor writing a kernel's output in
+place into an input buffer that dies there (``inplace_buffers``), a realised buffer that later fuses away, and
+the extern kernels' own scratch; ``bench/inductor_overhead.py`` shows what is left (a few percent).
 
 Example::
 
-    problem = inductor_problem(build_problem(step), fusible_ops(step.joint.graph))
+    graph = step.joint.graph
+    problem = inductor_problem(build_problem(step), fusible_ops(graph), inlined_ops(graph))
 """
 from __future__ import annotations
 
