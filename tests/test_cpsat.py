@@ -311,3 +311,84 @@ def test_past_the_size_threshold_the_block_pass_runs_and_never_loses_to_greedy()
     assert tl.peak_bytes <= budget and tl.makespan_us <= tg.makespan_us + 1e-6
     assert any("groups of identical blocks" in n for n in plan.notes)
     assert plan.status.startswith(("BLOCKS:", "FALLBACK:greedy"))
+
+
+def _brute_force_plans(problem, costs) -> list[tuple[int, float]]:
+    """(simulated peak, step time) of every combination, per saved activation, of keep / recompute before its
+    first backward read / offload (prefetched early, mid-gap or late, released or not) that the runtime runs."""
+    import itertools
+
+    from karma_fx.strategies.base import RecomputeBuilder, offload_for, saved_gaps
+
+    gaps = saved_gaps(problem)
+    options = []
+    for g in gaps:
+        opts = [("keep",)]
+        if problem.ops[g.storage.producer].recomputable:
+            opts.append(("recompute",))
+        for pf in sorted({g.last_fwd_use + 1, (g.last_fwd_use + 1 + g.first_bwd_use) // 2, g.first_bwd_use - 1,
+                          g.first_bwd_use}):
+            if g.last_fwd_use < pf <= g.first_bwd_use:
+                opts += [("offload", pf, False), ("offload", pf, True)]
+        options.append(opts)
+    builder = RecomputeBuilder(problem)
+    out = []
+    for combo in itertools.product(*options):
+        decisions = [offload_for(problem, g, o[1], release=o[2]) for g, o in zip(gaps, combo) if o[0] == "offload"]
+        dropped = [g for g, o in zip(gaps, combo) if o[0] == "recompute"]
+        names = {g.storage.name for g in dropped}
+        decisions += [builder.group([g], names) for g in dropped]
+        try:
+            tl = simulate(problem, decisions, costs, detail=False)
+        except Exception:
+            continue  # a combination the runtime cannot execute
+        out.append((tl.peak_bytes, tl.makespan_us))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_bound_is_below_the_brute_force_optimum_on_small_random_problems(seed):
+    """On random 4-layer steps, at every budget some enumerated plan just meets, the bound never exceeds the
+    fastest enumerated plan that fits (and never calls such a budget infeasible)."""
+    import random
+
+    from karma_fx.strategies.cpsat.bound import lower_bound_us
+    from helpers import random_costs, random_problem
+
+    rng = random.Random(seed)
+    n = 4
+    p = random_problem(n, [rng.choice([200, 500, 1000, 2000]) for _ in range(n)],
+                       [rng.randrange(-1, n) for _ in range(n)], [rng.choice([2.0, 5.0, 10.0])])
+    costs = random_costs(p, [rng.choice([2.0, 5.0, 10.0]) for _ in range(4)], rng.choice([50.0, 200.0, 1000.0]))
+    base = [b for _, b in simulate(p, (), costs).memory]
+    plans = _brute_force_plans(p, costs)
+    budgets = sorted({peak for peak, _ in plans})
+    assert len(budgets) > 1  # the family spans more than the unplanned step
+    for budget in budgets:
+        optimum = min(t for peak, t in plans if peak <= budget)
+        bound = lower_bound_us(p, costs, budget, base)
+        assert bound is not None and bound <= optimum * (1 + 1e-9), (budget, bound, optimum)
+
+
+@pytest.mark.parametrize("name", ["resnet1001", "wrn28_10", "cnn", "mlp", "gpt2", "vgg16"])
+def test_the_bound_is_below_every_plan_that_fits_on_the_tiny_zoo(name):
+    """The bound is a bound on every plan, not only cpsat's: at several budgets, no strategy's plan that fits
+    is simulated faster than it (cpsat included where it is quick on the model)."""
+    from karma_fx.strategies.cpsat.bound import lower_bound_us
+    from karma_fx.strategies.base import timeline_of
+
+    prep = prepared(name)
+    problem, costs = prep.problem, prep.costs
+    keep = timeline_of(problem, costs, ())
+    base = [b for _, b in keep.memory]
+    strategies = ["greedy", "checkpoint", "karma", "offload"]
+    for frac in (0.5, 0.7, 0.9):
+        budget = int(keep.peak_bytes * frac)
+        bound = lower_bound_us(problem, costs, budget, base)
+        names = strategies + (["cpsat"] if frac != 0.9 and name in ("resnet1001", "wrn28_10") else [])
+        for s in names:
+            plan = make_strategy(s, time_limit_s=10)(problem, costs, budget) if s == "cpsat" else \
+                make_strategy(s)(problem, costs, budget)
+            tl = timeline_of(problem, costs, plan.decisions)
+            if tl.peak_bytes <= budget:
+                assert bound is not None and bound <= tl.makespan_us * (1 + 1e-9), (s, frac, bound, tl.makespan_us)
