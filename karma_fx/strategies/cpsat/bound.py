@@ -18,8 +18,22 @@ The relaxation, for every saved activation ``s`` (all of them, however small):
   copied out between ``T(a)`` and ``T(i)``; whatever is away at ``i`` and is read again by op ``q`` came back
   between ``T(i)`` and ``T(q)``; and all copies out (in) take at most the step time.
 
-Checking memory and time at a subset of ops only drops constraints, so the bound stays valid; the subset is
-what keeps the LP small on graphs of tens of thousands of ops. Plans that stream weights move other bytes and
+Why it is a lower bound: map any executable plan to a solution of the same cost or less. ``x_s,i`` = 1
+where ``s`` is on the host at ``i`` (its copies cost at least one copy each way, however many trips it makes),
+``y_s`` = 1 where it is dropped and rebuilt; the memory rows then hold (the relaxation claims a recomputed
+tensor's bytes over its whole gap, at least what the plan frees), every copy really runs inside the windows
+its row names, and the stalls and recomputes the plan runs are at least ``S(end)``. Checking memory and time
+at a subset of ops only drops constraints, so the bound stays valid; the subset is what keeps the LP small on
+graphs of tens of thousands of ops. On small graphs (``FULL_RESOLUTION_VARIABLES``) every op is checked too,
+as a second LP, and the larger of the two bounds is returned.
+
+What it does not charge (looser, still valid): each op's re-run is counted once however many tensors,
+gaps or chains need it; a copy's fixed latency is paid fractionally by the LP; copies of a hosted temporary
+count only against the stream totals. One assumption the mapping needs: a temporary kept alive for a
+rebuild is charged until the first backward read that needs it, so a plan that rebuilds a tensor early (in
+its gap, before the last checked op) from a temporary it kept alive is not mapped exactly; such a plan keeps
+both the temporary and the rebuilt tensor and is dominated on these graphs, and the tests below the bound
+(every strategy's plans, an enumerated plan family on random steps) hold. Plans that stream weights move other bytes and
 are not covered. Without a host link (``costs.allow_offload`` false) every ``x`` and every temporary's "sent to
 the host" share is fixed to 0: the bound is then one on recompute-only plans, tighter than the general one
 and still proven (it relaxes only what a recompute-only plan can do).
