@@ -32,7 +32,7 @@ gaps or chains need it; a copy's fixed latency is paid fractionally by the LP; c
 count only against the stream totals. One assumption the mapping needs: a temporary kept alive for a
 rebuild is charged until the first backward read that needs it, so a plan that rebuilds a tensor early (in
 its gap, before the last checked op) from a temporary it kept alive is not mapped exactly; such a plan keeps
-both the temporary and the rebuilt tensor and is dominated on these graphs, and the tests below the bound
+both the temporary and the rebuilt tensor and is dominated on these graphs, and the tests of the bound
 (every strategy's plans, an enumerated plan family on random steps) hold. Plans that stream weights move other bytes and
 are not covered. Without a host link (``costs.allow_offload`` false) every ``x`` and every temporary's "sent to
 the host" share is fixed to 0: the bound is then one on recompute-only plans, tighter than the general one
