@@ -59,7 +59,10 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None, *, time_limit_
         # Our heuristics are the exact planner's fallbacks. torch-budget is not among them: PyTorch's
         # partitioner costs 30-100 s per real model (9 fractions), and in bench/compare it fits in 10 cells,
         # each of which greedy or karma wins (e.g. gpt2 at 0.5: 1.318x against 1.073x).
-        return CpSat([make_strategy(h) for h in HEURISTICS if h != "torch-budget"], time_limit_s=limit)
+        # greedy first: it wins most cells, and under a time limit the heuristics that run after the deadline
+        # are skipped (once one plan fits), so the strongest must not be the one left out.
+        order = ["greedy"] + [h for h in HEURISTICS if h not in ("greedy", "torch-budget")]
+        return CpSat([make_strategy(h) for h in order], time_limit_s=limit)
     if name not in factories:
         from karma_fx.errors import KarmaError
 
