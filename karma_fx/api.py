@@ -135,10 +135,14 @@ def measure_costs(step: CapturedStep, problem: Problem, primals: list, *, allow_
     from karma_fx.device import measure_copy_speed
     from karma_fx.passes.measure import time_joint
 
+    from karma_fx.runtime import cpu_copies_are_synchronous
+
     device = next((t.device for t in primals if hasattr(t, "device")), None)
     d2h, h2d, latency = measure_copy_speed(device if device is not None else "cpu")
+    blocking = (device is None or device.type == "cpu") and cpu_copies_are_synchronous()
     return measured_costs(problem, time_joint(step, primals), d2h_bytes_per_us=d2h, h2d_bytes_per_us=h2d,
-                          copy_latency_us=latency, device=f"measured on {device}", allow_offload=allow_offload)
+                          copy_latency_us=latency, device=f"measured on {device}", allow_offload=allow_offload,
+                          copies_block_compute=blocking)
 
 
 def measured_scratch(step: CapturedStep, problem: Problem, primals: list) -> Problem:

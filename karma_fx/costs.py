@@ -32,6 +32,9 @@ class Costs:
     allow_offload: bool = True
     """False: no host link to use (recompute-only planning, Checkmate's problem). Every strategy then plans
     keep / recompute only, and the lower bound (``strategies/cpsat/bound.py``) leaves copies out of its relaxation."""
+    copies_block_compute: bool = False
+    """True where a copy runs on the compute thread itself (a CPU copying synchronously, the default there):
+    compute waits for each copy as it is issued, instead of overlapping it on a copy stream."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_time_us", tuple(float(t) for t in self.op_time_us))
@@ -101,9 +104,10 @@ def estimate_costs(problem: Problem, device: Union[DeviceSpec, str, None] = None
 
 def measured_costs(problem: Problem, node_time_us: dict[str, float], *, d2h_bytes_per_us: float,
                    h2d_bytes_per_us: float, copy_latency_us: float, device: str,
-                   allow_offload: bool = True) -> Costs:
+                   allow_offload: bool = True, copies_block_compute: bool = False) -> Costs:
     """Costs from times measured on the device at hand (``karma_fx.passes.measure.time_joint``) and its
     measured copy bandwidth: what ``costs="measured"`` plans with. An op not timed (none in practice) costs 0."""
     return Costs(op_time_us=tuple(node_time_us.get(op.name, 0.0) for op in problem.ops),
                  d2h_bytes_per_us=d2h_bytes_per_us, h2d_bytes_per_us=h2d_bytes_per_us,
-                 copy_latency_us=copy_latency_us, device=device, allow_offload=allow_offload)
+                 copy_latency_us=copy_latency_us, device=device, allow_offload=allow_offload,
+                 copies_block_compute=copies_block_compute)

@@ -184,6 +184,12 @@ def copy_mode(mode: str) -> Iterator[None]:
         _mode = previous
 
 
+def cpu_copies_are_synchronous() -> bool:
+    """Whether CPU copies run on the calling thread now (``"sync"``): they then block compute, and plans made
+    with measured costs say so."""
+    return _mode == "sync"
+
+
 def set_copy_delay(d2h_s: float = 0.0, h2d_s: float = 0.0) -> None:
     """Slow the CPU copy workers down (tests: a late copy must never be read early or overwritten)."""
     _delay_s.update(d2h=d2h_s, h2d=h2d_s)

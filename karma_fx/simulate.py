@@ -444,6 +444,10 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
             h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
             if not isinstance(d, _WindowLoad):  # a streamed weight's host copy stays
                 host_events.append((h2d_free, -size))
+            if costs.copies_block_compute:
+                t, waited = _blocked(compute, f"copy {d.tensor}", t, h2d_free)
+                stall_total += waited
+                stall_at_op[seq.group_of[k]] += waited
         ready = max([h2d_end[id(d)] for d in events.wait_before_item.get(k, ())]
                     + [d2h_end[id(d)] for d in events.release_before_item.get(k, ())], default=t)
         if ready > t:
@@ -466,6 +470,10 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                 d2h.append(Interval(inst.storage, begin, d2h_free, "offload"))
                 host_events.append((begin, inst.size))
                 inst.copy_end_us = max(inst.copy_end_us, d2h_free)
+                if costs.copies_block_compute:
+                    t, waited = _blocked(compute, f"copy {inst.storage}", t, d2h_free)
+                    stall_total += waited
+                    stall_at_op[seq.group_of[k]] += waited
             for d in events.offload_after_op.get(item.op, ()):
                 size = problem.storage(d.tensor).size_bytes
                 begin = max(t, d2h_free)
@@ -475,8 +483,21 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                 host_events.append((begin, size))
                 inst = instances[stays.offload_instance[id(d)]]
                 inst.copy_end_us = max(inst.copy_end_us, d2h_free)
+                if costs.copies_block_compute:
+                    t, waited = _blocked(compute, f"copy {d.tensor}", t, d2h_free)
+                    stall_total += waited
+                    stall_at_op[seq.group_of[k]] += waited
     return _Streams(compute, d2h, h2d, start_us, stall_at_op, stall_total, recompute_total, host_events,
                     max(t, d2h_free, h2d_free))
+
+
+def _blocked(compute: list[Interval], label: str, t: float, until: float) -> tuple[float, float]:
+    """Compute waits for a copy on its own thread (``Costs.copies_block_compute``) until ``until``: the new
+    compute time and how long it waited (shown, and counted, as a stall)."""
+    if until <= t:
+        return t, 0.0
+    compute.append(Interval(label, t, until, "stall"))
+    return until, until - t
 
 
 # ---- 5. memory at every compute step --------------------------------------------------------------------

@@ -130,3 +130,23 @@ def test_figures_without_detail_are_the_same_and_the_gc_is_left_as_it_was():
         assert not gc.isenabled()  # a caller's choice to run without the collector is kept
     finally:
         gc.enable()
+
+
+def test_copies_on_the_compute_thread_add_their_time():
+    """A CPU copying synchronously (``Costs.copies_block_compute``) waits for each copy as it is issued: the
+    offload of A and its reload cost 10 µs each on top of six 10 µs ops, where a copy stream hides both."""
+    import dataclasses
+
+    from helpers import chain_problem, flat_costs
+
+    from karma_fx.plan import Offload
+    from karma_fx.simulate import simulate
+
+    problem = chain_problem()
+    costs = flat_costs(problem, op_us=10.0, bytes_per_us=100.0)
+    plan = [Offload("A", offload_after="f0", free_after="f1", prefetch_at="b2", reload_before="b1")]
+    overlapped = simulate(problem, plan, costs)
+    blocking = simulate(problem, plan, dataclasses.replace(costs, copies_block_compute=True))
+    assert overlapped.makespan_us == 60.0 and overlapped.stall_us == 0.0
+    assert blocking.makespan_us == 80.0 and blocking.stall_us == 20.0
+    assert blocking.peak_bytes <= overlapped.peak_bytes
