@@ -96,7 +96,7 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             _copy_meta(host, source, "forward", device=torch.device("cpu"))
             _copy_meta(fetched, source, "backward")
             _copy_meta(ready, source, "backward")
-            _redirect(graph, readers, {source: ready}, storage_of, op_names)
+            _redirect(graph, readers, {source: ready}, op_names)
             reloaded[source] = ready
     for d in plan.decisions:
         if isinstance(d, Recompute):
@@ -114,7 +114,7 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
                         raise InvalidPlanError(f"cannot recompute {name}: it has no traced value")
                     stand_ins = _running_stat_stand_ins(original)
                     clone = graph.node_copy(original, lambda a: stand_ins.get(a) or snapshot(a) if a in buffers
-                                            else _materialize(graph, a, replaced, storage_of, op_names))
+                                            else _materialize(graph, a, replaced, op_names))
                     clone.meta["partitioner_tag"] = "is_backward"
                     clone.meta["karma"] = {"recompute_of": name}
                     replaced[original] = clone
@@ -124,7 +124,7 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             # bytes alive that the plan never counted.
             rebuilt = set(d.tensors)
             _redirect(graph, readers, {o: c for o, c in replaced.items() if storage_of.get(o.name) in rebuilt},
-                      storage_of, op_names)
+                      op_names)
     for d in plan.decisions:
         if isinstance(d, StreamWeight):
             _stream_weight(graph, nodes, d, storage_of, op_names, forward)
@@ -179,7 +179,7 @@ def _stream_weight(graph: fx.Graph, nodes: dict[str, fx.Node], d: StreamWeight, 
         phase = "forward" if members[0] in forward else "backward"
         _copy_meta(fetched, placeholder, phase)
         _copy_meta(ready, placeholder, phase)
-        _redirect(graph, members, {placeholder: ready}, storage_of, op_names | {fetched.name, ready.name})
+        _redirect(graph, members, {placeholder: ready}, op_names | {fetched.name, ready.name})
     late = [r for r in readers if position.get(r, -1) > previous_end]
     if late:
         raise InvalidPlanError(f"{d.tensor} is read by {late[0].name} after its last window on the device")
@@ -258,8 +258,7 @@ def _unpack_now(graph: fx.Graph, original: fx.Node, clone: fx.Node, replaced: di
             replaced[user] = last = item
 
 
-def _materialize(graph: fx.Graph, node: fx.Node, replaced: dict[fx.Node, fx.Node], storage_of: dict[str, str],
-                 op_names: set[str]) -> fx.Node:
+def _materialize(graph: fx.Graph, node: fx.Node, replaced: dict[fx.Node, fx.Node], op_names: set[str]) -> fx.Node:
     """The node that stands for ``node`` after the rewrite: its replacement, a replica of a view/getitem of a
     replaced node (made at the current insertion point), or ``node`` itself if nothing it aliases moved."""
     if node in replaced:
@@ -269,7 +268,7 @@ def _materialize(graph: fx.Graph, node: fx.Node, replaced: dict[fx.Node, fx.Node
     # Every other traced node is a view or an unpacking. That includes the ones no single storage names
     # (``unbind`` / ``split`` return several views of one tensor): a recompute that read the original
     # ``unbind`` of a rebuilt tensor would keep the whole original storage alive into the backward.
-    mapped = fx.map_arg((node.args, node.kwargs), lambda a: _materialize(graph, a, replaced, storage_of, op_names))
+    mapped = fx.map_arg((node.args, node.kwargs), lambda a: _materialize(graph, a, replaced, op_names))
     if mapped == (node.args, node.kwargs):
         return node
     replica = graph.create_node("call_function", node.target, mapped[0], mapped[1])
@@ -280,13 +279,12 @@ def _materialize(graph: fx.Graph, node: fx.Node, replaced: dict[fx.Node, fx.Node
     return replica
 
 
-def _redirect(graph: fx.Graph, readers: list[fx.Node], replaced: dict[fx.Node, fx.Node],
-              storage_of: dict[str, str], op_names: set[str]) -> None:
+def _redirect(graph: fx.Graph, readers: list[fx.Node], replaced: dict[fx.Node, fx.Node], op_names: set[str]) -> None:
     """Make ``readers`` read the replacements (views of moved tensors are replicated just before each)."""
     for reader in dict.fromkeys(readers):
         with graph.inserting_before(reader):
             new_args = fx.map_arg((reader.args, reader.kwargs),
-                                  lambda a: _materialize(graph, a, replaced, storage_of, op_names))
+                                  lambda a: _materialize(graph, a, replaced, op_names))
         reader.args, reader.kwargs = new_args
 
 
