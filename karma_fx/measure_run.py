@@ -53,10 +53,17 @@ class AllocatorPeak:
     """Peak allocator bytes during a ``with`` block, from torch.profiler's raw memory events.
 
     ``peak_bytes`` = ``baseline_bytes`` (the storages passed in, counted once) + the highest running sum of
-    allocations minus frees during the block; ``end_bytes`` the same at the block's end."""
+    allocations minus frees during the block; ``end_bytes`` the same at the block's end. Only the events of
+    ``device``'s allocator count (``"cpu"`` or ``"cuda"``; by default the device of the tensors passed in):
+    a GPU step also allocates small host tensors, and its pinned host buffers are not device memory."""
 
-    def __init__(self, *existing: Iterable[Any]) -> None:
-        self.baseline_bytes = storage_bytes(*existing)
+    def __init__(self, *existing: Iterable[Any], device: str | None = None) -> None:
+        groups = [[group] if isinstance(group, torch.Tensor) else list(group) for group in existing]
+        self.baseline_bytes = storage_bytes(*groups)
+        if device is None:
+            types = {t.device.type for t in pytree.tree_leaves(groups) if isinstance(t, torch.Tensor)}
+            device = "cuda" if "cuda" in types else "cpu"
+        self.device = device.upper()
         self.peak_bytes = self.baseline_bytes
         self.end_bytes = self.baseline_bytes
         self._prof: Any = None
@@ -72,7 +79,8 @@ class AllocatorPeak:
     def __exit__(self, *exc: Any) -> None:
         self._prof.__exit__(*exc)
         events = self._prof.profiler.kineto_results.events()
-        deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        deltas = sorted((e.start_ns(), e.nbytes()) for e in events
+                        if e.name() == "[memory]" and str(e.device_type()).rsplit(".", 1)[-1] == self.device)
         running = peak = 0
         for _, nbytes in deltas:
             running += nbytes

@@ -131,8 +131,13 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
 
 
 def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
-    """Run ``step.joint`` for real ``repeats`` times and return each node's median wall time in µs (CUDA is
-    synchronised per node).
+    """Run ``step.joint`` for real ``repeats`` times and return each node's median time in µs.
+
+    On a CPU a node's time is its wall time. On CUDA it is the time between two events recorded on the
+    compute stream around the node, read once the run is over: the GPU's time for the node's kernels, plus
+    any time the GPU sat idle waiting for the host to launch them (a launch-bound node costs its launch). A
+    host synchronisation per node would instead charge every node the full launch round trip, which the
+    real step, queueing kernels ahead, does not pay.
 
     The RNG state is restored afterwards, so timing a step changes no dropout mask of the training that
     follows; the joint graph is functional, so no parameter or buffer is updated."""
@@ -142,18 +147,29 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
 
     cuda = any(t.is_cuda for t in primals)
     samples: dict[str, list[float]] = {}
+    pending: list[tuple[str, Any, Any]] = []
 
     @contextlib.contextmanager
     def timed(node: fx.Node) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
         if cuda:
-            torch.cuda.synchronize()
-        samples.setdefault(node.name, []).append((time.perf_counter() - start) * 1e6)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            pending.append((node.name, start, end))
+            return
+        begin = time.perf_counter()
+        yield
+        samples.setdefault(node.name, []).append((time.perf_counter() - begin) * 1e6)
 
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
         for _ in range(repeats):
             _run_joint(step, primals, timed)
+            if cuda:
+                torch.cuda.synchronize()
+                for name, start, end in pending:
+                    samples.setdefault(name, []).append(start.elapsed_time(end) * 1e3)
+                pending.clear()
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -162,8 +178,8 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
     allocates beyond what it leaves allocated: its scratch (a mask cast to the data's dtype in dropout's
     backward, softmax's row buffers, a convolution's reordered weights). Only nodes with some are listed.
 
-    Read off the CPU allocator's own events (torch.profiler memory records, bracketed by a
-    ``record_function`` per node): storage liveness cannot see an allocation that never becomes a tensor the
+    Read off the device allocator's own events (torch.profiler memory records of the primals' device,
+    bracketed by a ``record_function`` per node): storage liveness cannot see an allocation that never becomes a tensor the
     graph holds. The RNG state is restored afterwards, as in ``time_joint``."""
     import bisect
 
@@ -171,10 +187,13 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
 
     tag = "karma_fx.node:"
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if any(t.is_cuda for t in primals) else [])
+        with profile(activities=activities, profile_memory=True) as prof:
             _run_joint(step, primals, lambda node: record_function(tag + node.name))
     events = prof.profiler.kineto_results.events()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    device = "CUDA" if any(t.is_cuda for t in primals) else "CPU"
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and _device_type(e) == device)
     times = [t for t, _ in memory]
     running, total = [], 0
     for _, nbytes in memory:
@@ -191,3 +210,9 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
         if transient > 0:
             scratch[e.name()[len(tag):]] = transient
     return scratch
+
+
+def _device_type(event: Any) -> str:
+    """``"CPU"`` or ``"CUDA"``: which allocator a profiler memory event came from (a step on a GPU also
+    allocates small host tensors, which are not the device memory the plan budgets)."""
+    return str(event.device_type()).rsplit(".", 1)[-1]
