@@ -46,10 +46,13 @@ def test_overhead_smoke(capsys):
 
 def test_gpu_check_dry(capsys):
     gpu_check = load("gpu_check")
-    assert gpu_check.main(["--dry", "--models", "gpt2-medium", "--strategies", "checkpoint,karma"]) == 0
+    assert gpu_check.main(["--dry", "--sections", "regime", "--strategies", "checkpoint,karma",
+                           "--baselines", "aot_eager,save_on_cpu"]) == 0
     out = capsys.readouterr().out
-    for label in ("checkpoint", "karma", "torch activation_memory_budget", "torch save_on_cpu", "CPU (dry)"):
+    for label in ("checkpoint", "karma", "torch activation_memory_budget (aot_eager)", "torch save_on_cpu",
+                  "CPU (dry)"):
         assert label in out
+    assert "ERROR" not in out
 
 
 def test_scaling_smoke(capsys):
