@@ -51,7 +51,7 @@ from karma_fx.errors import InfeasibleBudgetError
 from karma_fx.zoo import build, output_to_loss
 
 SECTIONS = "numerics,regime,inductor"
-STRATEGIES = "keep,checkpoint,karma,greedy,cpsat"
+STRATEGIES = "keep,keep+measured,checkpoint,karma,greedy,greedy+measured,cpsat"
 NUMERIC_STRATEGIES = ("offload", "greedy", "cpsat")
 # Real: GPT-2-medium width and sequence (hidden 1024, 16 heads, batch 8 x 1024 tokens), 12 layers so a row
 # plans in seconds. Dry: the same code at a size a CPU runs in a second.
@@ -85,6 +85,9 @@ class Check:
             self.log.parent.mkdir(parents=True, exist_ok=True)
         self.spec: Any = None if self.cuda else karma_fx.get_device("h100")
         self.time_limit_s = a.time_limit
+        self.profile_kernels = False
+        """Profile one more step of each row and note its GPU kernels (count and summed GPU time)."""
+        self.kernels = ""
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -139,6 +142,17 @@ class Check:
             one()
             self.sync()
             times.append(time.perf_counter() - start)
+        self.kernels = ""
+        if self.cuda and self.profile_kernels:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                one()
+                torch.cuda.synchronize()
+            gpu = [e for e in prof.profiler.kineto_results.events()
+                   if str(e.device_type()).endswith("CUDA") and e.name() != "[memory]"]
+            self.kernels = (f"{len(gpu)} GPU kernels/copies, {sum(e.duration_ns() for e in gpu) / 1e6:.2f} ms "
+                            "of GPU time")
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -168,9 +182,9 @@ class Check:
 
 
 # ---- sections ---------------------------------------------------------------------------------------------------
-def numerics(c: Check) -> None:
+def numerics(c: Check, compilers: tuple[str, ...]) -> None:
     """Loss and gradients of 3 SGD steps of karma-compiled steps against eager (or Inductor) PyTorch."""
-    for precision in ("fp32", "bf16-mixed"):
+    for precision in ("fp32", "bf16-mixed") if "eager" in compilers else ():
         probe_budget: dict[str, int] = {}
 
         def probe() -> None:
@@ -189,7 +203,7 @@ def numerics(c: Check) -> None:
         for strategy in NUMERIC_STRATEGIES:
             c.guarded("numerics", f"gpt {precision}", format_bytes(budget), strategy,
                       lambda s=strategy: _compare(c, precision, budget, s, "eager"))
-    if "bytes" in probe_budget:  # bf16-mixed's budget; Inductor compares in fp32 to its own compile
+    if "inductor" in compilers:  # compared with Inductor's own compile, in fp32
         c.guarded("numerics", "gpt fp32", "halfway", "greedy + inductor",
                   lambda: _compare(c, "fp32", None, "greedy", "inductor"))
 
@@ -207,7 +221,7 @@ def _compare(c: Check, precision: str, budget: int | None, strategy: str, compil
                                 compiler=compiler, time_limit_s=c.time_limit_s)
     ref_step = reference if compiler == "eager" else torch.compile(reference, backend="inductor", dynamic=False)
     losses, peaks = [], []
-    for _ in range(3):
+    for _ in range(4):  # the first call compiles (Inductor's autotuning allocates): its peak is not a step's
         if c.cuda:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -229,14 +243,18 @@ def _compare(c: Check, precision: str, budget: int | None, strategy: str, compil
                         p.grad = None
     plan = compiled.plan
     moved = f"{len(plan.offloads)} offloads, {len(plan.recomputes)} recomputes"
+    if peaks:
+        moved += f"; compiling call's peak {format_bytes(peaks[0])}"
     c.add("numerics", f"gpt {precision}", format_bytes(budget), f"{strategy} ({compiler})",
-          peak=max(peaks) if peaks else None, predicted_us=plan.step_time_us, predicted_peak=plan.peak_bytes,
+          peak=max(peaks[1:]) if peaks else None, predicted_us=plan.step_time_us, predicted_peak=plan.peak_bytes,
           note=f"{moved}; loss rel err max {max(losses):.1e}; grad rel err max {max(grads):.1e}",
           loss_rel_errors=losses, grad_rel_error_max=max(grads))
 
 
-def regime(c: Check, budgets: list[float], strategies: list[str], baselines: tuple[str, ...]) -> None:
-    """Predicted against measured step time and peak, bf16 autocast, GPT-2-medium width."""
+def regime(c: Check, budgets: list[float], strategies: list[list[str]], baselines: list[tuple[str, ...]]) -> None:
+    """Predicted against measured step time and peak, bf16 autocast, GPT-2-medium width. ``strategies[i]`` and
+    ``baselines[i]`` are the rows at ``budgets[i]`` (the last list for every later budget); a strategy
+    ``name+measured`` plans with ``costs="measured"``; ``keep`` runs at budget 1.0."""
     name = "gpt-{layers}x{hidden} bf16-mixed".format(**c.sizes["regime"])
     if c.cuda and c.spec is None:
         from karma_fx.device import calibrate
@@ -246,33 +264,33 @@ def regime(c: Check, budgets: list[float], strategies: list[str], baselines: tup
             c.add("regime", "", "", "calibrate", note=f"H2D {c.spec.h2d_bytes_per_s / 1e9:.1f} GB/s, D2H "
                   f"{c.spec.d2h_bytes_per_s / 1e9:.1f} GB/s, bf16 "
                   f"{dict(c.spec.peak_flops).get('bfloat16', 0) / 1e12:.0f} TFLOP/s, HBM "
-                  f"{c.spec.hbm_bytes_per_s / 1e12:.2f} TB/s, overhead {c.spec.kernel_overhead_us:.1f} us", spec=str(c.spec))
+                  f"{c.spec.hbm_bytes_per_s / 1e12:.2f} TB/s, overhead {c.spec.kernel_overhead_us:.1f} us",
+                  spec=str(c.spec))
 
         c.guarded("regime", "", "", "calibrate", cal)
         if c.spec is None:
             c.spec = karma_fx.get_device("h200")
-    runs: list[tuple[str, dict]] = [(s, dict(strategy=s)) for s in strategies]
-    if "greedy" in strategies:
-        runs.insert(strategies.index("greedy") + 1, ("greedy, measured costs", dict(strategy="greedy",
-                                                                                     costs="measured")))
-    for budget in budgets:
-        for label, options in runs:
-            if label == "keep" and budget != budgets[0]:
-                continue
-            b = 1.0 if label == "keep" else budget
+    for i, budget in enumerate(budgets):
+        for entry in strategies[min(i, len(strategies) - 1)]:
+            strategy, _, costs = entry.partition("+")
+            label = strategy + (f", {costs} costs" if costs else "")
+            options = dict(strategy=strategy, costs=costs or "roofline")
+            b = 1.0 if strategy == "keep" else budget
             c.guarded("regime", name, b, label,
                       lambda o=options, b=b, lab=label: _karma_row(c, "regime", name, b, lab, o))
-        _torch_rows(c, "regime", name, budget, baselines)
+        _torch_rows(c, "regime", name, budget, baselines[min(i, len(baselines) - 1)])
 
 
 def inductor(c: Check, budgets: list[float]) -> None:
-    """karma + Inductor beside Inductor: nothing to move, then under a budget."""
+    """karma + Inductor beside Inductor: nothing to move, then under a budget. Each row also counts the GPU
+    kernels of one step and their summed time, which tells GPU work from host overhead."""
     name = "gpt-{layers}x{hidden} bf16-mixed".format(**c.sizes["inductor"])
+    c.profile_kernels = True
 
     def plain() -> None:
         model, args, kwargs = c.fresh("inductor")
         step_us, peak = c.measure(model, torch.compile(model, backend="inductor", dynamic=False), args, kwargs)
-        c.add("inductor", name, "", "torch.compile inductor", step_us, peak)
+        c.add("inductor", name, "", "torch.compile inductor", step_us, peak, note=c.kernels)
 
     c.guarded("inductor", name, "", "torch.compile inductor", plain)
     c.guarded("inductor", name, "1 TiB", "karma inductor, nothing moves",
@@ -294,7 +312,8 @@ def _karma_row(c: Check, section: str, name: str, budget: float | int, label: st
     c.add(section, name, budget, label, step_us, peak, plan.step_time_us, plan.peak_bytes,
           note=f"{plan.status}, budget {format_bytes(plan.budget_bytes)}, unplanned "
                f"{format_bytes(plan.unplanned_peak_bytes or 0)}, {len(plan.offloads)} off / "
-               f"{len(plan.recomputes)} rec, compile+run {time.perf_counter() - t0:.0f} s",
+               f"{len(plan.recomputes)} rec, compile+run {time.perf_counter() - t0:.0f} s"
+               + (f"; {c.kernels}" if c.kernels else ""),
           unlimited_us=plan.unlimited_step_time_us, budget_bytes=plan.budget_bytes)
 
 
@@ -314,7 +333,7 @@ def _torch_rows(c: Check, section: str, name: str, budget: float, which: tuple[s
                 step = torch.compile(model, backend=kind, dynamic=False)
                 with functorch_config.patch(activation_memory_budget=budget):
                     step_us, peak = c.measure(model, step, args, kwargs)
-            c.add(section, name, budget, label, step_us, peak)
+            c.add(section, name, budget, label, step_us, peak, note=c.kernels)
 
         c.guarded(section, name, budget, label, row)
 
@@ -354,10 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="CPU, tiny models, preset device")
     p.add_argument("--sections", default=SECTIONS)
     p.add_argument("--budgets", default=None, help="fractions of the unplanned peak (default 0.5; dry 0.9)")
-    p.add_argument("--strategies", default=STRATEGIES, help="karma strategies of the regime section")
+    p.add_argument("--strategies", default=STRATEGIES,
+                   help="karma strategies of the regime section (name+measured: costs='measured'); "
+                        "';' separates the lists of successive budgets")
     p.add_argument("--baselines", default="aot_eager,inductor,save_on_cpu",
                    help="PyTorch's answers in the regime section: activation_memory_budget under these backends, "
-                        "and save_on_cpu")
+                        "and save_on_cpu; ';' separates the lists of successive budgets")
+    p.add_argument("--numerics-compilers", default="eager,inductor")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; dry 1)")
     p.add_argument("--time-limit", type=float, default=20.0, help="planning limit per compile, seconds")
     p.add_argument("--deadline", type=float, default=420.0, help="seconds; later rows are skipped")
@@ -375,9 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}; known: {SECTIONS}")
     if "numerics" in sections:
-        numerics(c)
+        numerics(c, tuple(a.numerics_compilers.split(",")))
     if "regime" in sections:
-        regime(c, budgets, a.strategies.split(","), tuple(a.baselines.split(",")))
+        regime(c, budgets, [part.split(",") for part in a.strategies.split(";")],
+               [tuple(x for x in part.split(",") if x) for part in a.baselines.split(";")])
     if "inductor" in sections:
         inductor(c, budgets)
     print(tabulate(c.rows, headers=HEADERS, tablefmt="github"))
