@@ -4,14 +4,20 @@
 
 Time table: per model, a training step (forward, loss, backward, dropped grads) under
 ``torch.compile(backend="inductor")`` and under ``karma_fx.compile(compiler="inductor")`` with a 1 TiB budget
-(a plan that moves nothing: the same generated code, so the overhead is karma's per-call bookkeeping).
+(a plan that moves nothing: the same generated code where Inductor's min-cut partition peaks no higher than
+the plan's partition (mlp), so the overhead is karma's per-call bookkeeping; megatron_gpt gets the plan's
+partition, which saves the embeddings' sum rather than both embeddings, so its row also holds that choice).
 Variants run interleaved, step by step, so machine drift hits them alike; medians in milliseconds.
 
 Peak table: the allocator-measured peak (``karma_fx.measure_run.AllocatorPeak``, torch.profiler memory
 events, a steady-state step) of plain Inductor and of karma + Inductor at each fraction in ``--budgets``,
 beside the plan's predicted peak. The plan is made on the problem as Inductor allocates it
 (``karma_fx.fusion.inductor_problem``: fused pointwise intermediates cost nothing, the addmm rewrite's later
-matmul is modelled), so the measured peak is expected within a few percent of the prediction.
+matmul is modelled), Inductor's buffer reuse is kept from raising a graph's peak (``karma_fx.inductor.
+ReuseGuard``) and a plan that moves nothing gets Inductor's min-cut partition only where it peaks no higher
+than the partition the plan counts, so the measured peak is the prediction and within the budget: megatron_gpt
+at 1.0 / 0.9 / 0.8 measured -0.0% / -0.0% / +0.0% of the plan (it was +2.4% / +2.5% / +2.8%, over the
+budget at 1.0 and 0.8, before those two changes).
 """
 from __future__ import annotations
 
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,megatron_gpt")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--budgets", default="1.0,0.9", help="fractions of the unplanned peak for the peak table")
+    p.add_argument("--budgets", default="1.0,0.9,0.8", help="fractions of the unplanned peak for the peak table")
     p.add_argument("--no-time", action="store_true")
     p.add_argument("--no-peak", action="store_true")
     a = p.parse_args(argv)

@@ -24,9 +24,18 @@ One rewrite moves memory the other way: Inductor's post-grad pass turns ``add(mm
 Fused storages are never candidates to offload or recompute (no backward op reads them); a recompute that
 rebuilds a chain rebuilds it in the backward, where Inductor fuses the chain again. Op times are left as they
 are: a fused chain's cost model still sees each op's own reads and writes, which overstates the time of a
-chain that is memory-bound but does not change what fits. Not modelled: Inductor writing a kernel's output in
-place into an input buffer that dies there (``inplace_buffers``), a realised buffer that later fuses away, and
-the extern kernels' own scratch; ``bench/inductor_overhead.py`` shows what is left (a few percent).
+chain that is memory-bound but does not change what fits. Not modelled, each only lowering the real peak
+below the plan's: Inductor writing a kernel's output in place into an input buffer that dies there
+(``inplace_buffers``), and a realised buffer that later fuses away. Not modelled either: the extern kernels'
+own scratch (a CPU flash attention's 37 KB row buffers), counted only with ``costs="measured"`` (measured
+op by op under eager, where a pointwise op that Inductor fuses may have scratch its fused kernel does not:
+an overcount). Inductor's buffer reuse would hold a freed buffer past its last reader; ``karma_fx.inductor.
+ReuseGuard`` keeps it from raising the peak. ``bench/inductor_overhead.py``: the measured peak is the plan's.
+
+``partition_peak_bytes`` puts the same model on an already partitioned step (a forward and a backward graph),
+so that two partitions of one joint graph can be compared: ``karma_fx.inductor.min_cut_partition`` uses it to
+keep Inductor's own partition for a plan that moves nothing only where that partition peaks no higher than
+the one the plan counted.
 
 Example::
 
@@ -44,7 +53,8 @@ import torch.fx as fx
 
 from karma_fx.problem import Problem
 
-__all__ = ["delayed_matmuls", "fusible_ops", "fused_storages", "inductor_problem", "inlined_ops"]
+__all__ = ["delayed_matmuls", "fusible_ops", "fused_storages", "inductor_problem", "inlined_ops",
+           "partition_peak_bytes"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -190,3 +200,96 @@ def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collec
         storages = tuple(replace(s, size_bytes=0) if s.name in fused else s for s in problem.storages)
         problem = replace(problem, storages=storages, _index={}, _op_index={})
     return delayed_matmuls(problem)
+
+
+def _stitched(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> fx.GraphModule:
+    """One joint graph equivalent to the partitioned ``fw`` then ``bw``: each backward placeholder for a saved
+    value reads the forward node that computed it, tangents stay placeholders, and the outputs are the
+    forward's own ``num_fwd_outputs`` then the backward's. Forward nodes are tagged as forward
+    (``partitioner_tag``, as a rewrite tags what it adds), so a value computed only to be saved runs in the
+    forward, where the partition put it, and not in the backward where nothing but its readers are."""
+    graph = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    fw_out: tuple = ()
+    for node in fw.graph.nodes:
+        if node.op == "output":
+            fw_out = tuple(node.args[0])
+            continue
+        new = graph.node_copy(node, lambda a: env[a])
+        if node.op == "call_function":
+            new.meta["karma"] = {"stitched": True}
+            new.meta["partitioner_tag"] = "is_forward"
+        env[node] = new
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    saved = [n for n in placeholders if not n.name.startswith("tangents")]
+    benv: dict[fx.Node, object] = {}
+    for node, value in zip(saved, fw_out[num_fwd_outputs:num_fwd_outputs + len(saved)]):
+        benv[node] = env[value] if isinstance(value, fx.Node) else value
+    bw_out: tuple = ()
+    fresh: dict[object, torch.Tensor] = {}
+    for node in bw.graph.nodes:
+        if node.op == "output":
+            bw_out = tuple(node.args[0])
+        elif node not in benv:
+            new = graph.node_copy(node, lambda a: benv[a])
+            if node.op == "call_function":
+                new.meta["val"] = _own_storages(node, fresh)
+            benv[node] = new
+    outputs = [env[a] if isinstance(a, fx.Node) else a for a in fw_out[:num_fwd_outputs]]
+    outputs += [benv[a] if isinstance(a, fx.Node) else a for a in bw_out]
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _own_storages(node: fx.Node, fresh: dict[object, torch.Tensor]) -> object:
+    """``node``'s traced value with storages of its own. A partitioner that recomputes a forward node in the
+    backward copies its traced value, fake storage and all, so the recompute would look like the forward
+    tensor itself, alive from the forward to the backward. A tensor that aliases an input of ``node`` (a
+    view, an unpacked tuple element) is put on whatever storage that input now has; any other gets a new
+    one (``fresh``: old storage to its new base, shared by the views read later)."""
+    from karma_fx.passes.liveness import storage_key
+
+    inputs = {storage_key(t) for arg in node.all_input_nodes for t in _tensors(arg.meta.get("val"))}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in fresh:
+            if key in inputs:
+                return t  # an alias of a value the backward did not make (a saved tensor, a tangent)
+            with t.fake_mode:  # type: ignore[attr-defined]
+                fresh[key] = torch.empty((t.untyped_storage().nbytes(),), dtype=torch.uint8, device=t.device)
+        with t.fake_mode:  # type: ignore[attr-defined]
+            return fresh[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return own(val)
+    if isinstance(val, (tuple, list)):
+        return type(val)(own(v) if isinstance(v, torch.Tensor) else v for v in val)
+    return val
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def partition_peak_bytes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """The step's peak as Inductor allocates it (``inductor_problem``), nothing moved, for a training step
+    already partitioned into ``fw`` and ``bw`` (what AOTAutograd's partitioners return; the first
+    ``num_fwd_outputs`` forward outputs are the step's, the rest are saved for ``bw``, in its placeholders'
+    order). Every placeholder counts as held all step, so only differences between partitions of one joint
+    graph are meaningful, not the number itself."""
+    from karma_fx.costs import estimate_costs
+    from karma_fx.passes.capture import CapturedStep
+    from karma_fx.passes.liveness import build_problem
+    from karma_fx.simulate import simulate
+
+    joint = _stitched(fw, bw, num_fwd_outputs)
+    step = CapturedStep(joint=joint, primal_kinds=(), primal_names=(), num_fwd_outputs=num_fwd_outputs,
+                        output_names=())
+    problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph))
+    return simulate(problem, (), estimate_costs(problem), detail=False).peak_bytes

@@ -16,6 +16,18 @@ wait keeps its place among the ops that read or make its tensors. No CSE runs af
 joint-graph CSE runs before it, on the unplanned graph), so a recomputed op in the backward stays a
 separate, short-lived buffer.
 
+Switching ``reorder_for_peak_memory`` off has a side effect this module undoes (``ReuseGuard``). Inductor's
+wrapper hands a freed buffer to a later allocation of the same size instead of freeing it (``buf13 = buf2;
+del buf2  # reuse``), which keeps the freed buffer alive until that later allocation. It does so only where
+its own estimate of the graph's memory says the graph's peak does not grow, but that estimate reads sizes
+and readers the scheduler computes only inside the peak-memory pass: with the pass off only the graph's
+inputs count, and reuses that raise the peak are taken. The plan frees each tensor after its last reader, so each such
+reuse is memory the plan never counted: on a two-layer GPT (``bench/inductor_overhead.py``) one 0.5 MiB
+gradient held across a 2 MiB matmul put the measured peak 2.4% above the plan and over the budget.
+``ReuseGuard`` computes that information after fusion, on the final node order, so the reuse guard works
+as it does under ``torch.compile(backend="inductor")``: a reuse never raises the graph's peak (and, a
+graph's memory being the step's minus a constant, never the step's).
+
 Example::
 
     fn = compile_region(gm, fake_args, partition, on_backward=session.saw_backward)
@@ -30,7 +42,7 @@ import torch.fx as fx
 
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma before Inductor meets them
 
-__all__ = ["PLAN_SAFE_CONFIG", "compile_region", "min_cut_partition"]
+__all__ = ["PLAN_SAFE_CONFIG", "ReuseGuard", "compile_region", "min_cut_partition", "reuse_guard_patches"]
 
 PLAN_SAFE_CONFIG: dict[str, Any] = {
     "reorder_for_peak_memory": False,
@@ -40,14 +52,97 @@ PLAN_SAFE_CONFIG: dict[str, Any] = {
 """Inductor settings patched for a karma compile (and only for it): no pass may reorder the planned graphs."""
 
 
+class ReuseGuard:
+    """Inductor post-fusion scheduler pass: fill in the memory-planning information (each buffer's size and
+    readers) that Inductor's wrapper needs to refuse a buffer reuse that would raise the graph's peak. Inductor
+    computes it inside ``reorder_for_peak_memory``, which karma switches off (``PLAN_SAFE_CONFIG``); without it
+    the wrapper sees every buffer as 0 bytes and reuses freely, holding freed buffers across later, larger
+    allocations that the plan does not count (see the module docstring). The node order is not changed.
+
+    ``previous``: a post-fusion pass already configured (run first, then the information is computed on the
+    nodes it returns)."""
+
+    VERSION = "karma_fx.inductor.ReuseGuard:1"
+
+    def __init__(self, previous: Callable[[list], list] | None = None) -> None:
+        self.previous = previous
+
+    def __call__(self, nodes: list) -> list:
+        from torch._inductor.memory import assign_memory_planning_info_for_scheduler_buffers
+        from torch._inductor.virtualized import V
+
+        if self.previous is not None:
+            nodes = self.previous(nodes)
+        assign_memory_planning_info_for_scheduler_buffers(nodes, V.graph.scheduler.name_to_buf)
+        return nodes
+
+
+def reuse_guard_patches() -> dict[str, Any]:
+    """The Inductor settings that keep buffer reuse from raising a karma graph's peak (``ReuseGuard``), for
+    the torch at hand: the guard as a post-fusion pass, chained after any pass already set. It is a
+    ``CustomSchedulerPass`` with a fixed ``uuid`` unless a plain callable was set before it, so that it never
+    makes Inductor's FX graph cache bypass a graph the cache would otherwise take, nor lets a cached graph
+    compiled without it be reused (karma's compiles, traced without a shape environment, bypass that cache
+    today anyway); a plain callable already set bypasses the cache, as it did. A torch without
+    the hook or the guard gets ``allow_buffer_reuse=False``: every buffer is freed after its last reader,
+    exactly as the plan counts it (the cost is an allocator call per buffer)."""
+    from torch._inductor import config
+
+    try:
+        from torch._inductor.codegen.wrapper import EfficientPeakEstimate  # noqa: F401
+        from torch._inductor.custom_graph_pass import CustomSchedulerPass
+        from torch._inductor.memory import assign_memory_planning_info_for_scheduler_buffers  # noqa: F401
+    except ImportError:
+        return {"allow_buffer_reuse": False}
+    if not hasattr(config, "_post_fusion_custom_pass"):
+        return {"allow_buffer_reuse": False}
+    previous = config._post_fusion_custom_pass
+    if previous is not None and not isinstance(previous, CustomSchedulerPass):
+        return {"_post_fusion_custom_pass": ReuseGuard(previous)}
+
+    class CachedReuseGuard(ReuseGuard, CustomSchedulerPass):
+        def uuid(self) -> Any:
+            return (self.VERSION, None if self.previous is None else self.previous.uuid())
+
+    return {"_post_fusion_custom_pass": CachedReuseGuard(previous)}
+
+
 def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[fx.GraphModule,
                                                                                          fx.GraphModule]:
-    """Inductor's own partitioner, as ``torch.compile(backend="inductor")`` calls it (a plan that moves nothing
-    gives exactly Inductor's graphs)."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    """The partition of a plan that moves nothing: Inductor's own (min-cut, as ``torch.compile(backend=
+    "inductor")`` calls it, so such a step is exactly Inductor's) where it peaks no higher than the partition
+    the plan counted, else that one (PyTorch's default partition: every forward value the backward reads is
+    saved).
 
+    The plan, and the unplanned peak a fractional budget is a fraction of, count the default partition; the
+    min-cut partitioner picks what to save by bytes saved, not by peak, and recomputes in the backward what it
+    did not save. Usually that peaks lower; where it peaks higher (a two-layer GPT: it saves both embeddings,
+    0.5 MiB + 64 KiB, to rebuild their 0.5 MiB sum in the backward, and peaks 52 KB higher), the step would
+    run above the plan and, at ``budget=1.0``, above the budget. Both are compared on Inductor's memory model
+    (``karma_fx.fusion.partition_peak_bytes``); if that cannot be built, the min-cut partition is kept."""
+    import logging
+
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    from karma_fx.fusion import partition_peak_bytes
+
+    num_fwd_outputs = options["num_fwd_outputs"]
+    counted = None
+    try:  # before min-cut, which replaces the joint's graph by its CSE'd copy
+        counted = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                    static_lifetime_input_indices=options.get("static_lifetime_input_indices"))
+    except Exception:  # pragma: no cover - keep Inductor's partition rather than fail the compile
+        logging.getLogger("karma_fx").debug("default partition failed; keeping min-cut", exc_info=True)
     options.setdefault("compiler", "inductor")
-    return min_cut_rematerialization_partition(joint, joint_inputs, **options)
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **options)
+    if counted is None:
+        return fw, bw
+    try:
+        if partition_peak_bytes(fw, bw, num_fwd_outputs) > partition_peak_bytes(*counted, num_fwd_outputs):
+            return counted
+    except Exception:  # pragma: no cover - same
+        logging.getLogger("karma_fx").debug("partition peaks not comparable; keeping min-cut", exc_info=True)
+    return fw, bw
 
 
 def _partitioner(partition: Callable) -> Any:
@@ -93,7 +188,7 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Cal
         code = compile_fx_inner(graph, inputs, **kwargs)
         return _announcing(code, on_backward) if kwargs.get("is_backward") else code
 
-    patches = {**PLAN_SAFE_CONFIG, "custom_partitioner_fn": _partitioner(partition)}
+    patches = {**PLAN_SAFE_CONFIG, **reuse_guard_patches(), "custom_partitioner_fn": _partitioner(partition)}
     return compile_fx(_own_copy(gm), example_inputs, inner_compile=inner, config_patches=patches)
 
 
