@@ -149,10 +149,7 @@ class Check:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 one()
                 torch.cuda.synchronize()
-            gpu = [e for e in prof.profiler.kineto_results.events()
-                   if str(e.device_type()).endswith("CUDA") and e.name() != "[memory]"]
-            self.kernels = (f"{len(gpu)} GPU kernels/copies, {sum(e.duration_ns() for e in gpu) / 1e6:.2f} ms "
-                            "of GPU time")
+            self.kernels = _gpu_breakdown(prof.profiler.kineto_results.events())
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -256,6 +253,7 @@ def regime(c: Check, budgets: list[float], strategies: list[list[str]], baseline
     ``baselines[i]`` are the rows at ``budgets[i]`` (the last list for every later budget); a strategy
     ``name+measured`` plans with ``costs="measured"``; ``keep`` runs at budget 1.0."""
     name = "gpt-{layers}x{hidden} bf16-mixed".format(**c.sizes["regime"])
+    c.profile_kernels = True
     if c.cuda and c.spec is None:
         from karma_fx.device import calibrate
 
@@ -339,6 +337,19 @@ def _torch_rows(c: Check, section: str, name: str, budget: float, which: tuple[s
 
 
 # ---- small helpers ----------------------------------------------------------------------------------------------
+def _gpu_breakdown(events: list) -> str:
+    """One profiled step in a line: GPU kernels and copies (count, summed ms, copies to or from pageable host
+    memory, which cannot overlap compute), and host waits on the GPU (synchronise calls, summed ms)."""
+    gpu = [e for e in events if str(e.device_type()).endswith("CUDA") and e.name() != "[memory]"]
+    copies = [e for e in gpu if e.name().startswith("Memcpy")]
+    kernels = [e for e in gpu if not e.name().startswith("Memcpy") and not e.name().startswith("Memset")]
+    syncs = [e for e in events if str(e.device_type()).endswith("CPU") and "Synchronize" in e.name()]
+    pageable = sum("Pageable" in e.name() for e in copies)
+    return (f"{len(kernels)} kernels {sum(e.duration_ns() for e in kernels) / 1e6:.2f} ms, {len(copies)} copies "
+            f"{sum(e.duration_ns() for e in copies) / 1e6:.2f} ms ({pageable} pageable), {len(syncs)} host syncs "
+            f"{sum(e.duration_ns() for e in syncs) / 1e6:.2f} ms")
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))

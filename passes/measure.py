@@ -13,6 +13,8 @@ Example::
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -131,46 +133,64 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
 
 
 def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
-    """Run ``step.joint`` for real ``repeats`` times and return each node's median time in µs.
-
-    On a CPU a node's time is its wall time. On CUDA it is the time between two events recorded on the
-    compute stream around the node, read once the run is over: the GPU's time for the node's kernels, plus
-    any time the GPU sat idle waiting for the host to launch them (a launch-bound node costs its launch). A
-    host synchronisation per node would instead charge every node the full launch round trip, which the
-    real step, queueing kernels ahead, does not pay.
+    """Run ``step.joint`` for real ``repeats`` times and return each node's time in µs: on a CPU its median
+    wall time, on CUDA the GPU time of the kernels it launched (``_cuda_kernel_times``, which says why).
 
     The RNG state is restored afterwards, so timing a step changes no dropout mask of the training that
     follows; the joint graph is functional, so no parameter or buffer is updated."""
-    import contextlib
     import statistics
     import time
 
-    cuda = any(t.is_cuda for t in primals)
+    if any(t.is_cuda for t in primals):
+        return _cuda_kernel_times(step, primals, repeats)
     samples: dict[str, list[float]] = {}
-    pending: list[tuple[str, Any, Any]] = []
 
     @contextlib.contextmanager
     def timed(node: fx.Node) -> Iterator[None]:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            pending.append((node.name, start, end))
-            return
         begin = time.perf_counter()
         yield
         samples.setdefault(node.name, []).append((time.perf_counter() - begin) * 1e6)
 
-    with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
+    with torch.random.fork_rng(devices=[]):
         for _ in range(repeats):
             _run_joint(step, primals, timed)
-            if cuda:
-                torch.cuda.synchronize()
-                for name, start, end in pending:
-                    samples.setdefault(name, []).append(start.elapsed_time(end) * 1e3)
-                pending.clear()
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _cuda_kernel_times(step: CapturedStep, primals: list[torch.Tensor], repeats: int) -> dict[str, float]:
+    """Each node's GPU time in µs: the summed durations of the kernels and copies it launched (CUPTI, through
+    torch.profiler), averaged over ``repeats`` runs. Each GPU activity is tied to the aten op that launched it
+    (its ``linked_correlation_id``), and that op to the node whose ``record_function`` range it ran in.
+
+    Why not host timers or events around each node: this runner interprets the graph node by node in Python,
+    far slower than the compiled step dispatches, so the GPU waits for it between nodes and any interval
+    around a node measures the interpreter. Kernel durations do not depend on how fast they were launched.
+    The cost model thereby assumes the host keeps ahead of the GPU, as it does in a GPU-bound step."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    tag = "karma_fx.node:"
+    with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
+        _run_joint(step, primals, lambda node: contextlib.nullcontext())  # warm up (handles, autotuning)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                _run_joint(step, primals, lambda node: record_function(tag + node.name))
+            torch.cuda.synchronize()
+    events = prof.profiler.kineto_results.events()
+    ranges = sorted((e.start_ns(), e.end_ns(), e.name()[len(tag):]) for e in events
+                    if e.name().startswith(tag) and _device_type(e) == "CPU")
+    starts = [r[0] for r in ranges]
+    launched_at = {e.correlation_id(): e.start_ns() for e in events
+                   if _device_type(e) == "CPU" and e.linked_correlation_id() == 0 and not e.name().startswith(tag)}
+    total: dict[str, float] = {name: 0.0 for _, _, name in ranges}
+    for e in events:
+        if _device_type(e) != "CUDA" or e.name() == "[memory]":
+            continue
+        at = launched_at.get(e.linked_correlation_id())
+        i = bisect.bisect_right(starts, at) - 1 if at is not None else -1
+        if i >= 0 and at <= ranges[i][1]:
+            total[ranges[i][2]] += e.duration_ns() / 1e3
+    return {name: t / repeats for name, t in total.items()}
 
 
 def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, int]:
@@ -181,7 +201,6 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
     Read off the device allocator's own events (torch.profiler memory records of the primals' device,
     bracketed by a ``record_function`` per node): storage liveness cannot see an allocation that never becomes a tensor the
     graph holds. The RNG state is restored afterwards, as in ``time_joint``."""
-    import bisect
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
