@@ -34,6 +34,7 @@ import contextlib
 import copy
 import gc
 import json
+import re
 import statistics
 import time
 import traceback
@@ -85,6 +86,9 @@ class Check:
             self.log.parent.mkdir(parents=True, exist_ok=True)
         self.spec: Any = None if self.cuda else karma_fx.get_device("h100")
         self.time_limit_s = a.time_limit
+        self.trace = a.trace
+        """Rows whose label matches this regex also save their profiled step as a Chrome trace in ``--out``."""
+        self.row_label = ""
         self.profile_kernels = False
         """Profile one more step of each row and note its GPU kernels (count and summed GPU time)."""
         self.kernels = ""
@@ -113,6 +117,7 @@ class Check:
         if self.late():
             self.add(section, model, budget, what, note="skipped (deadline)")
             return
+        self.row_label = f"{section} {what} {budget}"
         try:
             body()
         except InfeasibleBudgetError as e:
@@ -150,6 +155,10 @@ class Check:
                 one()
                 torch.cuda.synchronize()
             self.kernels = _gpu_breakdown(prof.profiler.kineto_results.events())
+            if self.trace and self.log and re.search(self.trace, self.row_label):
+                path = self.log.parent / f"trace-{re.sub(r'[^A-Za-z0-9]+', '_', self.row_label)[:40]}.json"
+                prof.export_chrome_trace(str(path))  # the step's timeline: compute, copy streams, host
+                self.kernels += f"; trace {path.name}"
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -397,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=20.0, help="planning limit per compile, seconds")
     p.add_argument("--deadline", type=float, default=420.0, help="seconds; later rows are skipped")
     p.add_argument("--out", default=None, help="directory for gpu_check.jsonl (one JSON line per row)")
+    p.add_argument("--trace", default=None,
+                   help="regex over 'section label budget': matching rows also save one profiled step as a "
+                        "Chrome trace in --out (CUDA; a few MB each)")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     if not a.dry and not torch.cuda.is_available():
