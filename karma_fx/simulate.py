@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import bisect
 import gc
+import itertools
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -68,14 +70,6 @@ class Timeline:
     """(storage, bytes) resident at the peak, largest first: what a better plan would have to move."""
 
 
-@dataclass(slots=True)
-class _Item:
-    op: int
-    recompute: Recompute | None = None
-    reads: list[int] = field(default_factory=list)  # instance ids
-    writes: list[int] = field(default_factory=list)
-
-
 @dataclass(frozen=True)
 class _WindowLoad:
     """One window of a streamed weight, shaped like an ``Offload`` for the prefetch/wait/free machinery (its
@@ -88,13 +82,41 @@ class _WindowLoad:
     index: int
 
 
-@dataclass(slots=True)
-class _Instance:
-    storage: str
-    size: int
-    alloc: int  # item index
-    end: int = -1  # last item index at which it is resident
-    copy_end_us: float = 0.0  # an offload's D2H completion: resident until then too
+class _Static:
+    """What a replay needs from the problem alone, as plain lists and dicts: built once per problem and kept
+    while the problem lives (``_static``).
+
+    Why: a strategy replays hundreds of plans over one problem, and on ResNet-1001 (7678 ops, 24k storages)
+    rebuilding these per replay, and looking storages up through ``Problem.storage`` in the loops, was a
+    third of each replay."""
+
+    __slots__ = ("inputs", "outputs", "size_of", "lives", "arrivals", "names")
+
+    def __init__(self, problem: Problem) -> None:
+        self.inputs = [op.inputs for op in problem.ops]
+        self.outputs = [op.outputs for op in problem.ops]
+        self.size_of = {st.name: st.size_bytes for st in problem.storages}
+        self.lives = {st.name for st in problem.storages if st.lives_to_end}
+        self.arrivals = [(st.arrives_at, st.name) for st in problem.storages if st.producer is None]
+        self.names = [op.name for op in problem.ops]
+
+
+_STATIC: dict[int, _Static] = {}
+
+
+def _static(problem: Problem) -> _Static:
+    """The problem's ``_Static``, cached by identity (a ``Problem`` is frozen, and ``dataclasses.replace``
+    makes a new object) and dropped when the problem is collected, so an id is never reused stale."""
+    key = id(problem)
+    found = _STATIC.get(key)
+    if found is None:
+        found = _Static(problem)
+        try:
+            weakref.finalize(problem, _STATIC.pop, key, None)
+        except TypeError:  # not weak-referenceable: do not cache
+            return found
+        _STATIC[key] = found
+    return found
 
 
 def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, *, detail: bool = True) -> Timeline:
@@ -110,6 +132,16 @@ def simulate(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, *,
         return _replay(problem, plan, costs, detail)
 
 
+def peak_and_makespan(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) -> tuple[int, float]:
+    """``(peak_bytes, makespan_us)`` of ``simulate(problem, plan, costs)``, the same numbers, the same checks
+    (``InvalidPlanError``), without building the per-op intervals and memory profile a ``Timeline`` holds.
+
+    Why: a heuristic's probes (greedy's bisections, the block pass's copies) only ask "does it fit, how fast";
+    the intervals were a fifth of a replay on ResNet-1001."""
+    with paused_gc():
+        return _replay(problem, plan, costs, False, figures_only=True)
+
+
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (reference counting still frees everything acyclic): for
@@ -123,17 +155,22 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, detail: bool) -> Timeline:
+def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, detail: bool, *,
+            figures_only: bool = False):
     """The replay, phase by phase: check the decisions, lay out the compute sequence, place each decision's
     events on it, follow every storage's stays on the device, time the three streams, count the memory."""
     decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
     if len(costs.op_time_us) != len(problem.ops):
         raise InvalidPlanError(f"costs describe {len(costs.op_time_us)} ops, the problem has {len(problem.ops)}")
     _check_decisions(problem, decisions)
+    static = _static(problem)
     seq = _sequence(problem, [d for d in decisions if isinstance(d, Recompute)])
     events = _events(problem, decisions, seq)
-    stays = _stays(problem, decisions, seq, events)
-    streams = _timing(problem, costs, seq, events, stays)
+    stays = _stays(problem, decisions, seq, events, static)
+    streams = _timing(problem, costs, seq, events, stays, static, intervals=not figures_only)
+    if figures_only:
+        live = _live_bytes(seq, stays, streams)
+        return max(live, default=0), streams.makespan_us
     return _timeline(problem, costs, seq, events, stays, streams, detail)
 
 
@@ -179,7 +216,10 @@ def _check_decisions(problem: Problem, decisions: tuple[Decision, ...]) -> None:
 # ---- 1. the compute sequence: recompute chains just before the op they serve ----------------------------
 @dataclass
 class _Sequence:
-    items: list[_Item]
+    item_op: list[int]
+    """item → the op it runs (an op of the step, or a step of a recompute chain)."""
+    item_rc: list[Recompute | None]
+    """item → the recompute it belongs to (``None``: the op itself)."""
     first_item: list[int]
     """op → its first item (the first step of a recompute chain before it, or the op itself)."""
     op_item: list[int]
@@ -195,24 +235,32 @@ def _sequence(problem: Problem, recomputes: list[Recompute]) -> _Sequence:
     chains_before: dict[int, list[Recompute]] = defaultdict(list)
     for r in recomputes:
         chains_before[_op_at(problem, r.reload_before, "recompute reload_before")].append(r)
-    items: list[_Item] = []
+    if not chains_before:  # one item per op
+        return _Sequence(list(range(n_ops)), [None] * n_ops, list(range(n_ops)), list(range(n_ops)),
+                         list(range(n_ops)), chains_before)
+    item_op: list[int] = []
+    item_rc: list[Recompute | None] = []
+    group_of: list[int] = []
     first_item = [0] * n_ops
     op_item = [0] * n_ops
     for i in range(n_ops):
-        first_item[i] = len(items)
-        for r in chains_before.get(i, ()):
-            for name in r.ops:
-                j = _op_at(problem, name, "recompute op")
-                if not ops[j].recomputable:
-                    raise InvalidPlanError(f"{name} is {'random' if ops[j].random else 'mutating'}: never recomputed")
-                items.append(_Item(op=j, recompute=r))
-        op_item[i] = len(items)
-        items.append(_Item(op=i))
-    group_of = [0] * len(items)
-    for i in range(n_ops):
-        for k in range(first_item[i], op_item[i] + 1):
-            group_of[k] = i
-    return _Sequence(items, first_item, op_item, group_of, chains_before)
+        first_item[i] = len(item_op)
+        chains = chains_before.get(i)
+        if chains:
+            for r in chains:
+                for name in r.ops:
+                    j = _op_at(problem, name, "recompute op")
+                    if not ops[j].recomputable:
+                        raise InvalidPlanError(f"{name} is {'random' if ops[j].random else 'mutating'}: never "
+                                               "recomputed")
+                    item_op.append(j)
+                    item_rc.append(r)
+                    group_of.append(i)
+        op_item[i] = len(item_op)
+        item_op.append(i)
+        item_rc.append(None)
+        group_of.append(i)
+    return _Sequence(item_op, item_rc, first_item, op_item, group_of, chains_before)
 
 
 # ---- 2. gaps: where each storage leaves the device and where it comes back -------------------------------
@@ -295,39 +343,54 @@ def _events(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence) -
 # ---- 3. instances (one per stay on the device) and the reads of each -------------------------------------
 @dataclass
 class _Stays:
-    instances: list[_Instance]
+    """One instance per stay of a storage on the device, as parallel lists indexed by instance id (plain
+    lists: a replay of ResNet-1001 makes ~24k of them)."""
+
+    storage: list[str]
+    size: list[int]
+    alloc: list[int]
+    """item index where it is allocated."""
+    end: list[int]
+    """last item index at which it is resident."""
+    copy_end_us: list[float]
+    """an offload's D2H completion (or a prefetch's H2D one): resident until then too (filled by ``_timing``)."""
     offload_instance: dict[int, int]  # id(offload) → the instance its copy reads
     prefetched_instance: dict[int, int]  # id(offload) → the instance its prefetch writes
     grad_copy_after: dict[int, list[int]]  # op → gradient instances copied out after it
     recompute_frees: dict[int, list[str]]  # op → tensors dropped after it for a recompute
 
 
-def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, events: _Events) -> _Stays:
+def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, events: _Events,
+           static: _Static) -> _Stays:
     ops = problem.ops
     n_ops = len(ops)
-    items, first_item, op_item, group_of = seq.items, seq.first_item, seq.op_item, seq.group_of
-    n_items = len(items)
+    item_op, item_rc, first_item, op_item, group_of = (seq.item_op, seq.item_rc, seq.first_item, seq.op_item,
+                                                       seq.group_of)
+    n_items = len(item_op)
+    inputs, outputs, size_of = static.inputs, static.outputs, static.size_of
     grads_out = {d.tensor for d in decisions if isinstance(d, GradToHost)}
-    instances: list[_Instance] = []
-    reads_of: dict[int, list[int]] = defaultdict(list)
+    # Instances: parallel lists. ``last`` is the last item reading the instance, or its allocation when none
+    # does (reads come in item order, so the latest read is the last one).
+    i_name: list[str] = []
+    i_size: list[int] = []
+    i_alloc: list[int] = []
+    i_end: list[int] = []
+    i_last: list[int] = []
     current: dict[str, int | None] = {}
     arrivals: dict[int, list[str]] = defaultdict(list)
-    for st in problem.storages:
-        if st.producer is None and n_ops and st.name not in events.streamed_names:
-            arrivals[first_item[min(st.arrives_at, n_ops - 1)]].append(st.name)
-
-    size_of = {st.name: st.size_bytes for st in problem.storages}  # a plain dict: faster than storage() here
+    if n_ops:
+        streamed = events.streamed_names
+        for at, name in static.arrivals:
+            if name not in streamed:
+                arrivals[first_item[min(at, n_ops - 1)]].append(name)
 
     def new_instance(name: str, k: int) -> int:
-        instances.append(_Instance(name, size_of[name], k))
-        return len(instances) - 1
-
-    def leave(sname: str, k: int) -> int | None:
-        inst = current.get(sname)
-        if inst is not None:
-            instances[inst].end = k
-            current[sname] = None
-        return inst
+        i_name.append(name)
+        i_size.append(size_of[name])
+        i_alloc.append(k)
+        i_end.append(-1)
+        i_last.append(k)
+        return len(i_name) - 1
 
     offload_instance: dict[int, int] = {}
     grad_copy_after: dict[int, list[int]] = defaultdict(list)
@@ -335,76 +398,104 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
     made: dict[str, int] = {}
     waited_from: dict[int, tuple[int, Offload]] = {}  # prefetched instance → (item of its wait, decision)
     prefetched_instance: dict[int, int] = {}
-    for k, item in enumerate(items):
-        for name in arrivals.get(k, ()):
-            current[name] = new_instance(name, k)
-        r = item.recompute
-        if r is not None and (k == 0 or items[k - 1].recompute is not r):
+    prefetch_item, free_after_item = events.prefetch_item, events.free_after_item
+
+    def check_wait(inst: int, k: int, sname: str, op: int) -> None:
+        if k < waited_from[inst][0]:
+            d = waited_from[inst][1]
+            raise InvalidPlanError(f"{sname} is read by {ops[op].name} before {d.reload_before}, where compute "
+                                   "waits for its prefetch: reload_before must be its first read after the gap")
+
+    for k in range(n_items):
+        arrived = arrivals.get(k)
+        if arrived:
+            for name in arrived:
+                current[name] = new_instance(name, k)
+        r = item_rc[k]
+        if r is not None and (k == 0 or item_rc[k - 1] is not r):
             made = {}
             for t in r.tensors:  # dropped after their last read before this chain
                 inst = current.get(t)
                 if inst is not None:
-                    last = max(reads_of[inst], default=instances[inst].alloc)
-                    leave(t, last)
+                    last = i_last[inst]
+                    i_end[inst] = last
+                    current[t] = None
                     recompute_frees[group_of[last]].append(t)
-        for d in events.prefetch_item.get(k, ()):
-            if current.get(d.tensor) is not None:
-                raise InvalidPlanError(f"{d.tensor} is prefetched at {d.prefetch_at} while still on the device")
-            current[d.tensor] = new_instance(d.tensor, k)
-            prefetched_instance[id(d)] = current[d.tensor]
-            waited_from[current[d.tensor]] = (first_item[_op_at(problem, d.reload_before, "reload_before")], d)
-        op = ops[item.op]
-        for sname in op.inputs:
-            inst = made.get(sname) if r is not None else None
+        issued = prefetch_item.get(k)
+        if issued:
+            for d in issued:
+                if current.get(d.tensor) is not None:
+                    raise InvalidPlanError(f"{d.tensor} is prefetched at {d.prefetch_at} while still on the device")
+                inst = current[d.tensor] = new_instance(d.tensor, k)
+                prefetched_instance[id(d)] = inst
+                waited_from[inst] = (first_item[_op_at(problem, d.reload_before, "reload_before")], d)
+        op = item_op[k]
+        if r is None:
+            for sname in inputs[op]:
+                inst = current.get(sname)
+                if inst is None:
+                    raise InvalidPlanError(f"{sname} is read by {ops[op].name} while it is not on the device")
+                if inst in waited_from:
+                    check_wait(inst, k, sname, op)
+                i_last[inst] = k
+            for sname in outputs[op]:
+                i_name.append(sname)
+                i_size.append(size_of[sname])
+                i_alloc.append(k)
+                i_last.append(k)
+                inst = len(i_name) - 1
+                if sname in grads_out:
+                    i_end.append(k)  # leaves for the host right away (until its copy lands)
+                    grad_copy_after[op].append(inst)
+                    continue
+                i_end.append(-1)
+                current[sname] = inst
+            freed = free_after_item.get(k)
+            if freed:
+                for d in freed:
+                    inst = current.get(d.tensor)
+                    if inst is None:
+                        raise InvalidPlanError(f"{d.tensor} is freed after {d.free_after} but is not on the device")
+                    i_end[inst] = k
+                    current[d.tensor] = None
+                    offload_instance[id(d)] = inst
+            continue
+        for sname in inputs[op]:
+            inst = made.get(sname)
             if inst is None:
                 inst = current.get(sname)
             if inst is None:
-                where = f"recomputing {op.name} before {r.reload_before}" if r is not None else op.name
-                raise InvalidPlanError(f"{sname} is read by {where} while it is not on the device")
-            if inst in waited_from and k < waited_from[inst][0]:
-                d = waited_from[inst][1]
-                raise InvalidPlanError(f"{sname} is read by {op.name} before {d.reload_before}, where compute waits "
-                                       "for its prefetch: reload_before must be its first read after the gap")
-            item.reads.append(inst)
-            reads_of[inst].append(k)
-        for sname in op.outputs:
+                raise InvalidPlanError(f"{sname} is read by recomputing {ops[op].name} before {r.reload_before} "
+                                       "while it is not on the device")
+            if inst in waited_from:
+                check_wait(inst, k, sname, op)
+            i_last[inst] = k
+        for sname in outputs[op]:
             inst = new_instance(sname, k)
-            item.writes.append(inst)
-            if r is None and sname in grads_out:
-                instances[inst].end = k  # leaves for the host right away (until its copy lands)
-                grad_copy_after[item.op].append(inst)
-                continue
-            if r is None:
-                current[sname] = inst
-                continue
             made[sname] = inst
             if sname in r.tensors:
                 if current.get(sname) is not None:
                     raise InvalidPlanError(f"{sname} is recomputed before {r.reload_before} while still on the device")
                 current[sname] = inst
-        if r is None:
-            for d in events.free_after_item.get(k, ()):
-                if current.get(d.tensor) is None:
-                    raise InvalidPlanError(f"{d.tensor} is freed after {d.free_after} but is not on the device")
-                offload_instance[id(d)] = leave(d.tensor, k)  # type: ignore[assignment]
-        elif k + 1 == n_items or items[k + 1].recompute is not r:
+        if k + 1 == n_items or item_rc[k + 1] is not r:
             for sname, inst in made.items():  # chain temporaries die with the chain
                 if sname not in r.tensors:
-                    instances[inst].end = max(reads_of[inst], default=instances[inst].alloc)
+                    i_end[inst] = i_last[inst]
+    lives = static.lives
     for sname, inst in current.items():
         if inst is not None:
-            lives = problem.storage(sname).lives_to_end
-            instances[inst].end = n_items - 1 if lives else max(reads_of[inst], default=instances[inst].alloc)
-    for inst_id, inst in enumerate(instances):
-        if inst.end < 0:
-            inst.end = max(reads_of[inst_id], default=inst.alloc)
+            i_end[inst] = n_items - 1 if sname in lives else i_last[inst]
+    for inst, end in enumerate(i_end):
+        if end < 0:
+            i_end[inst] = i_last[inst]
     for d in decisions:  # the D2H copy must read an instance that exists when it is issued
         if not isinstance(d, Offload):
             continue
         inst_id = offload_instance.get(id(d))
-        if inst_id is None or instances[inst_id].alloc > op_item[_op_at(problem, d.offload_after, "offload_after")]:
+        if inst_id is None or i_alloc[inst_id] > op_item[_op_at(problem, d.offload_after, "offload_after")]:
             raise InvalidPlanError(f"{d.tensor} is not on the device when its offload is issued")
-    return _Stays(instances, offload_instance, prefetched_instance, grad_copy_after, recompute_frees)
+    return _Stays(i_name, i_size, i_alloc, i_end, [0.0] * len(i_name), offload_instance, prefetched_instance,
+                  grad_copy_after, recompute_frees)
 
 
 # ---- 4. timing ------------------------------------------------------------------------------------------
@@ -421,72 +512,95 @@ class _Streams:
     makespan_us: float
 
 
-def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, stays: _Stays) -> _Streams:
-    ops, items, instances = problem.ops, seq.items, stays.instances
+def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, stays: _Stays, static: _Static, *,
+            intervals: bool = True) -> _Streams:
+    """Time the three streams. ``intervals=False`` skips the compute stream's intervals (the figures only)."""
+    names, size_of = static.names, static.size_of
+    item_op, item_rc, group_of = seq.item_op, seq.item_rc, seq.group_of
+    copy_end = stays.copy_end_us
+    op_time = costs.op_time_us
+    copy_time = costs.copy_time_us
+    blocking = costs.copies_block_compute
+    prefetch_item, wait_before_item = events.prefetch_item, events.wait_before_item
+    release_before_item, offload_after_op = events.release_before_item, events.offload_after_op
+    grad_copy_after = stays.grad_copy_after
     compute: list[Interval] = []
     d2h: list[Interval] = []
     h2d: list[Interval] = []
     h2d_end: dict[int, float] = {}
     d2h_end: dict[int, float] = {}
-    start_us = [0.0] * len(items)
+    n_items = len(item_op)
+    start_us = [0.0] * n_items
     t = d2h_free = h2d_free = 0.0
     stall_total = recompute_total = 0.0
-    stall_at_op = [0.0] * len(ops)
+    stall_at_op = [0.0] * len(problem.ops)
     host_events: list[tuple[float, int]] = []
-    for k, item in enumerate(items):
-        for d in events.prefetch_item.get(k, ()):
-            size = problem.storage(d.tensor).size_bytes
-            begin = max(t, h2d_free, d2h_end.get(id(d), 0.0))  # the host copy must have landed
-            h2d_free = begin + costs.copy_time_us(size, "h2d")
-            h2d_end[id(d)] = h2d_free
-            target = instances[stays.prefetched_instance[id(d)]]  # written until the copy lands
-            target.copy_end_us = max(target.copy_end_us, h2d_free)
-            h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
-            if not isinstance(d, _WindowLoad):  # a streamed weight's host copy stays
-                host_events.append((h2d_free, -size))
-            if costs.copies_block_compute:
-                t, waited = _blocked(compute, f"copy {d.tensor}", t, h2d_free)
-                stall_total += waited
-                stall_at_op[seq.group_of[k]] += waited
-        ready = max([h2d_end[id(d)] for d in events.wait_before_item.get(k, ())]
-                    + [d2h_end[id(d)] for d in events.release_before_item.get(k, ())], default=t)
-        if ready > t:
-            compute.append(Interval(f"wait {ops[item.op].name}", t, ready, "stall"))
-            stall_total += ready - t
-            stall_at_op[seq.group_of[k]] += ready - t
-            t = ready
-        start_us[k] = t
-        duration = costs.op_time_us[item.op]
-        kind = "recompute" if item.recompute is not None else "op"
-        compute.append(Interval(ops[item.op].name, t, t + duration, kind))
-        if item.recompute is not None:
-            recompute_total += duration
-        t += duration
-        if item.recompute is None:
-            for inst_id in stays.grad_copy_after.get(item.op, ()):
-                inst = instances[inst_id]
-                begin = max(t, d2h_free)
-                d2h_free = begin + costs.copy_time_us(inst.size, "d2h")
-                d2h.append(Interval(inst.storage, begin, d2h_free, "offload"))
-                host_events.append((begin, inst.size))
-                inst.copy_end_us = max(inst.copy_end_us, d2h_free)
-                if costs.copies_block_compute:
-                    t, waited = _blocked(compute, f"copy {inst.storage}", t, d2h_free)
+    for k in range(n_items):
+        issued = prefetch_item.get(k)
+        if issued:
+            for d in issued:
+                size = size_of[d.tensor]
+                begin = max(t, h2d_free, d2h_end.get(id(d), 0.0))  # the host copy must have landed
+                h2d_free = begin + copy_time(size, "h2d")
+                h2d_end[id(d)] = h2d_free
+                target = stays.prefetched_instance[id(d)]  # written until the copy lands
+                copy_end[target] = max(copy_end[target], h2d_free)
+                h2d.append(Interval(d.tensor, begin, h2d_free, "prefetch"))
+                if not isinstance(d, _WindowLoad):  # a streamed weight's host copy stays
+                    host_events.append((h2d_free, -size))
+                if blocking:
+                    t, waited = _blocked(compute, f"copy {d.tensor}", t, h2d_free)
                     stall_total += waited
-                    stall_at_op[seq.group_of[k]] += waited
-            for d in events.offload_after_op.get(item.op, ()):
-                size = problem.storage(d.tensor).size_bytes
+                    stall_at_op[group_of[k]] += waited
+        waits, releases = wait_before_item.get(k), release_before_item.get(k)
+        if waits or releases:
+            ready = max([h2d_end[id(d)] for d in waits or ()] + [d2h_end[id(d)] for d in releases or ()],
+                        default=t)
+            if ready > t:
+                compute.append(Interval(f"wait {names[item_op[k]]}", t, ready, "stall"))
+                stall_total += ready - t
+                stall_at_op[group_of[k]] += ready - t
+                t = ready
+        start_us[k] = t
+        op = item_op[k]
+        duration = op_time[op]
+        if item_rc[k] is not None:
+            if intervals:
+                compute.append(Interval(names[op], t, t + duration, "recompute"))
+            recompute_total += duration
+            t += duration
+            continue
+        if intervals:
+            compute.append(Interval(names[op], t, t + duration, "op"))
+        t += duration
+        grads = grad_copy_after.get(op)
+        if grads:
+            for inst in grads:
+                size = stays.size[inst]
                 begin = max(t, d2h_free)
-                d2h_free = begin + costs.copy_time_us(size, "d2h")
+                d2h_free = begin + copy_time(size, "d2h")
+                d2h.append(Interval(stays.storage[inst], begin, d2h_free, "offload"))
+                host_events.append((begin, size))
+                copy_end[inst] = max(copy_end[inst], d2h_free)
+                if blocking:
+                    t, waited = _blocked(compute, f"copy {stays.storage[inst]}", t, d2h_free)
+                    stall_total += waited
+                    stall_at_op[group_of[k]] += waited
+        offloads = offload_after_op.get(op)
+        if offloads:
+            for d in offloads:
+                size = size_of[d.tensor]
+                begin = max(t, d2h_free)
+                d2h_free = begin + copy_time(size, "d2h")
                 d2h.append(Interval(d.tensor, begin, d2h_free, "offload"))
                 d2h_end[id(d)] = d2h_free
                 host_events.append((begin, size))
-                inst = instances[stays.offload_instance[id(d)]]
-                inst.copy_end_us = max(inst.copy_end_us, d2h_free)
-                if costs.copies_block_compute:
+                inst = stays.offload_instance[id(d)]
+                copy_end[inst] = max(copy_end[inst], d2h_free)
+                if blocking:
                     t, waited = _blocked(compute, f"copy {d.tensor}", t, d2h_free)
                     stall_total += waited
-                    stall_at_op[seq.group_of[k]] += waited
+                    stall_at_op[group_of[k]] += waited
     return _Streams(compute, d2h, h2d, start_us, stall_at_op, stall_total, recompute_total, host_events,
                     max(t, d2h_free, h2d_free))
 
@@ -501,44 +615,51 @@ def _blocked(compute: list[Interval], label: str, t: float, until: float) -> tup
 
 
 # ---- 5. memory at every compute step --------------------------------------------------------------------
+def _resident_until(stays: _Stays, start_us: list[float]) -> list[int]:
+    """Each instance's last resident item: its end, or later while a copy of it is still running."""
+    ends = list(stays.end)
+    for inst, copy_end in enumerate(stays.copy_end_us):
+        if copy_end > 0:
+            ends[inst] = max(ends[inst], bisect.bisect_left(start_us, copy_end) - 1)
+    return ends
+
+
+def _live_bytes(seq: _Sequence, stays: _Stays, streams: _Streams) -> list[int]:
+    """Device bytes at every item."""
+    n_items = len(seq.item_op)
+    delta = [0] * (n_items + 1)
+    for alloc, end, size in zip(stays.alloc, _resident_until(stays, streams.start_us), stays.size):
+        delta[alloc] += size
+        delta[end + 1] -= size
+    delta.pop()
+    return list(itertools.accumulate(delta))
+
+
 def _timeline(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, stays: _Stays, streams: _Streams,
               detail: bool) -> Timeline:
-    items, start_us = seq.items, streams.start_us
-    n_items = len(items)
-    delta = [0] * (n_items + 1)
-    for inst in stays.instances:
-        end = inst.end
-        if inst.copy_end_us > 0:
-            end = max(end, bisect.bisect_left(start_us, inst.copy_end_us) - 1)
-        delta[inst.alloc] += inst.size
-        delta[end + 1] -= inst.size
-    memory: list[tuple[float, int]] = []
-    live = 0
-    for k in range(n_items):
-        live += delta[k]
-        memory.append((start_us[k], live))
-    peak = max((m for _, m in memory), default=0)
-    peak_item = next((k for k, (_, m) in enumerate(memory) if m == peak), 0)
+    start_us = streams.start_us
+    live = _live_bytes(seq, stays, streams)
+    memory = list(zip(start_us, live))
+    peak = max(live, default=0)
+    peak_item = live.index(peak) if live else 0
     at_peak = []
-    for inst in stays.instances if detail else ():
-        end = inst.end
-        if inst.copy_end_us > 0:
-            end = max(end, bisect.bisect_left(start_us, inst.copy_end_us) - 1)
-        if inst.alloc <= peak_item <= end:
-            at_peak.append((inst.storage, inst.size))
+    if detail:
+        for inst, end in enumerate(_resident_until(stays, start_us)):
+            if stays.alloc[inst] <= peak_item <= end:
+                at_peak.append((stays.storage[inst], stays.size[inst]))
     at_peak.sort(key=lambda e: (-e[1], e[0]))
     peak_op = ""
-    if items:
-        peak_op = problem.ops[items[peak_item].op].name
-        if items[peak_item].recompute is not None:
-            peak_op = f"recompute {peak_op} before {items[peak_item].recompute.reload_before}"
+    if live:
+        peak_op = problem.ops[seq.item_op[peak_item]].name
+        if seq.item_rc[peak_item] is not None:
+            peak_op = f"recompute {peak_op} before {seq.item_rc[peak_item].reload_before}"
     host_peak = live_host = 0
     for _, change in sorted(streams.host_events, key=lambda e: (e[0], e[1])):
         live_host += change
         host_peak = max(host_peak, live_host)
 
-    rows = _schedule_rows(problem, items, seq.op_item, memory, streams.stall_at_op, events.offload_after_op,
-                          events.prefetch_item, seq.first_item, seq.chains_before, events.free_after_item,
+    rows = _schedule_rows(problem, memory, streams.stall_at_op, events.offload_after_op,
+                          events.prefetch_item, seq.first_item, seq.op_item, seq.chains_before, events.free_after_item,
                           stays.recompute_frees) if detail else ()
     return Timeline(compute=tuple(streams.compute), d2h=tuple(streams.d2h), h2d=tuple(streams.h2d),
                     memory=tuple(memory), peak_bytes=peak, makespan_us=streams.makespan_us,
@@ -546,9 +667,9 @@ def _timeline(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, s
                     host_peak_bytes=host_peak, rows=rows, peak_op=peak_op, peak_storages=tuple(at_peak))
 
 
-def _schedule_rows(problem: Problem, items: list[_Item], op_item: list[int], memory: list[tuple[float, int]],
+def _schedule_rows(problem: Problem, memory: list[tuple[float, int]],
                    stall_at_op: list[float], offload_after_op: dict[int, list[Offload]],
-                   prefetch_item: dict[int, list[Offload]], first_item: list[int],
+                   prefetch_item: dict[int, list[Offload]], first_item: list[int], op_item: list[int],
                    chains_before: dict[int, list[Recompute]], free_after_item: dict[int, list[Offload]],
                    recompute_frees: dict[int, list[str]]) -> tuple[ScheduleRow, ...]:
     """One row per op at which something is issued, freed, recomputed or waited for."""
