@@ -149,11 +149,13 @@ class KarmaBackend:
                 costs = measure_costs(step, problem, primals)
             else:
                 costs = estimate_costs(problem, session.config.device)
-            if session.config.compiler == "inductor":  # fused intermediates are never allocated
-                from karma_fx.fusion import fusible_ops, inductor_problem, inlined_ops
+            if session.config.compiler == "inductor":  # fused intermediates: never allocated, one kernel
+                from karma_fx.fusion import fusible_ops, inductor_model, inlined_ops
 
                 graph = step.joint.graph
-                problem = inductor_problem(problem, fusible_ops(graph), inlined_ops(graph))
+                problem, costs = inductor_model(problem, costs, fusible_ops(graph), inlined_ops(graph),
+                                                session.config.device,
+                                                measured=session.config.costs == "measured")
             keep = simulate(problem, (), costs)
             region.boundary = boundary_of(step, problem)
             prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step)

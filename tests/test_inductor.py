@@ -290,3 +290,57 @@ def test_planned_peak_is_the_allocator_peak():
             p.grad = None
     assert not compiled.plan.decisions
     assert_measured_within_plan(model, compiled, args, kwargs, below=0.05)
+
+
+def test_a_fused_chain_costs_its_kernel_not_the_sum_of_its_ops():
+    """On a hand-made problem: a forward chain ``mul -> add -> sum`` whose two pointwise results Inductor
+    inlines is one kernel: it reads ``x`` and ``y`` once and writes the reduction only, with one launch, so
+    the chain costs ``overhead + external bytes / bandwidth`` (not three launches and every intermediate
+    written and read back), shared among its ops in proportion to their own times; the matmul, alone in its
+    kernel, keeps its time. Measured op times are scaled by the same bytes."""
+    import math
+
+    from karma_fx.costs import Costs, estimate_costs
+    from karma_fx.device import DeviceSpec
+    from karma_fx.fusion import inductor_model, kernel_groups
+    from karma_fx.problem import Op, Problem, Storage
+
+    mb = 1 << 20
+    spec = DeviceSpec(name="toy", memory_bytes=1 << 30, peak_flops={"float32": 100e12}, hbm_bytes_per_s=1e12,
+                      d2h_bytes_per_s=10e9, h2d_bytes_per_s=10e9, kernel_overhead_us=3.0, efficiency=0.5)
+    ops = (Op("mul", "aten.mul.Tensor", "fwd", ("x",), ("mul",), flops=mb // 4, bytes_accessed=2 * mb),
+           Op("add", "aten.add.Tensor", "fwd", ("mul", "y"), ("add",), flops=mb // 4, bytes_accessed=3 * mb),
+           Op("sum", "aten.sum.dim_IntList", "fwd", ("add",), ("sum",), flops=mb // 4, bytes_accessed=mb + 4096),
+           Op("mm", "aten.mm.default", "fwd", ("sum", "w"), ("mm",), flops=1 << 30, bytes_accessed=3 * 4096),
+           Op("mm_1", "aten.mm.default", "bwd", ("g", "w"), ("mm_1",), flops=1 << 30,
+              bytes_accessed=3 * 4096))
+    storages = (Storage("x", mb, "input", None, (0,)), Storage("y", mb, "input", None, (1,)),
+                Storage("w", 4096, "param", None, (3, 4)), Storage("g", 4096, "tangent", None, (4,), arrives_at=4),
+                Storage("mul", mb, "activation", 0, (1,)), Storage("add", mb, "activation", 1, (2,)),
+                Storage("sum", 4096, "activation", 2, (3,)), Storage("mm", 4096, "activation", 3, (4,)),
+                Storage("mm_1", 4096, "gradient", 4, (), is_output=True))
+    problem = Problem(ops=ops, storages=storages, num_fwd_ops=4)
+    unfused = estimate_costs(problem, spec)
+    fused_problem, costs = inductor_model(problem, unfused, fusible={"mul", "add", "sum"},
+                                          inlined={"mul", "add"}, device=spec)
+    assert [s.size_bytes for s in fused_problem.storages[4:6]] == [0, 0]
+    assert kernel_groups(fused_problem, {"mul", "add"}) == ((0, 1, 2), (3,), (4,))
+    kernel = 3.0 + (2 * mb + 4096) / 1e6  # x and y read once, the 4 KiB reduction written; one launch
+    chain = costs.op_time_us[:3]
+    assert math.fsum(chain) == pytest.approx(kernel, rel=1e-12)
+    assert math.fsum(chain) < math.fsum(unfused.op_time_us[:3]) / 2  # was 3 launches and 6 MiB moved
+    for t, u in zip(chain, unfused.op_time_us[:3]):  # each op's share: its part of the unfused chain
+        assert t / kernel == pytest.approx(u / math.fsum(unfused.op_time_us[:3]), rel=1e-12)
+    assert costs.op_time_us[3:] == unfused.op_time_us[3:]
+
+    # measured: each op timed alone (10 us per MiB moved, plus a 5 us launch); the group's work scales by
+    # its bytes over the bytes the ops move one by one, plus one launch
+    times = (25.0, 35.0, 15.0, 100.0, 100.0)
+    measured = Costs(op_time_us=times, d2h_bytes_per_us=1e4, h2d_bytes_per_us=1e4, copy_latency_us=1.0,
+                     device="measured")
+    _, costs = inductor_model(problem, measured, {"mul", "add", "sum"}, {"mul", "add"}, measured=True)
+    moved, external = 6 * mb + 4096, 2 * mb + 4096
+    launch = 15.0  # the 10th percentile of the step's op times, never more than a member's own time
+    expected = launch + (25.0 + 35.0 + 15.0 - 3 * launch) * external / moved
+    assert math.fsum(costs.op_time_us[:3]) == pytest.approx(expected, rel=1e-12)
+    assert costs.op_time_us[3:] == times[3:]
