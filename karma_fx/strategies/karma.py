@@ -13,7 +13,7 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import (Gap, RecomputeBuilder, blocks_from_cuts, offload_for, pick_best, reconcile,
-                                     saved_gaps, timeline_of)
+                                     saved_gaps, figures_of)
 
 _BLOCK_COUNTS = (4, 8, 12, 16, 24, 32, 48)
 
@@ -73,14 +73,14 @@ class Karma:
         # Evict blocks front to back until the step fits: the smallest fitting prefix, by bisection (the peak
         # falls as more blocks leave; the simulator has the last word on each probe).
         lo, hi = 0, len(choices)
-        none, every = timeline_of(problem, costs, prefix(0)), timeline_of(problem, costs, prefix(hi))
+        none, every = figures_of(problem, costs, prefix(0)), figures_of(problem, costs, prefix(hi))
         if none.peak_bytes <= budget_bytes or (every.peak_bytes, every.makespan_us) >= (none.peak_bytes,
                                                                                           none.makespan_us):
             hi = 0  # fits as it is, or evicting everything does not even lower the peak
         elif every.peak_bytes <= budget_bytes:
             while lo < hi:
                 mid = (lo + hi) // 2
-                if timeline_of(problem, costs, prefix(mid)).peak_bytes <= budget_bytes:
+                if figures_of(problem, costs, prefix(mid)).peak_bytes <= budget_bytes:
                     hi = mid
                 else:
                     lo = mid + 1

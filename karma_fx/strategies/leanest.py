@@ -8,7 +8,7 @@ from __future__ import annotations
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import RecomputeBuilder, offload_for, reconcile, saved_gaps, timeline_of
+from karma_fx.strategies.base import RecomputeBuilder, figures_of, offload_for, reconcile, saved_gaps
 from karma_fx.strategies.torch_budget import decisions_for_saved
 from karma_fx.strategies.weights import weight_streams
 
@@ -38,15 +38,15 @@ def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = 
     host link (``costs.allow_offload`` false): every recomputable saved activation rebuilt, or nothing."""
     if not costs.allow_offload:
         options_ro: list[tuple[Decision, ...]] = [leanest_recomputes(problem), ()]
-        return min(options_ro, key=lambda d: timeline_of(problem, costs, d).peak_bytes)
+        return min(options_ro, key=lambda d: figures_of(problem, costs, d).peak_bytes)
     swaps = leanest_swaps(problem)
     if stream_weights:
         options: list[tuple[Decision, ...]] = [swaps + weight_streams(problem, swaps), weight_streams(problem)]
     else:
         options = [swaps, ()]
-    return min(options, key=lambda d: timeline_of(problem, costs, d).peak_bytes)
+    return min(options, key=lambda d: figures_of(problem, costs, d).peak_bytes)
 
 
 def leanest_peak(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> int:
     """The peak of the leanest plan (``leanest_decisions``): the floor quoted when a budget is infeasible."""
-    return timeline_of(problem, costs, leanest_decisions(problem, costs, stream_weights=stream_weights)).peak_bytes
+    return figures_of(problem, costs, leanest_decisions(problem, costs, stream_weights=stream_weights)).peak_bytes

@@ -31,7 +31,7 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import paused_gc
-from karma_fx.strategies.base import Strategy, timeline_of
+from karma_fx.strategies.base import Strategy, figures_of, timeline_of
 from karma_fx.strategies.cpsat.bound import lower_bound_us
 from karma_fx.strategies.cpsat.capacity import solve_capacity
 from karma_fx.strategies.cpsat.descent import descend
@@ -98,7 +98,7 @@ class CpSat:
                 break  # until a plan fits, the heuristics run even past the deadline
             say("heuristics", strategy.name)
             plan = strategy(problem, costs, budget_bytes)
-            tl = timeline_of(problem, costs, plan.decisions)
+            tl = figures_of(problem, costs, plan.decisions)
             if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us < best[0]):
                 best = (tl.makespan_us, plan, tl.peak_bytes)
 
@@ -124,7 +124,7 @@ class CpSat:
             best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, proven, notes, say)
         if best is None:  # no heuristic fits: the leanest plan is the last resort, and the floor quoted to users
             leanest = leanest_decisions(problem, costs)
-            if timeline_of(problem, costs, leanest).peak_bytes <= budget_bytes:
+            if figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
                 return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
                             status="FALLBACK:leanest", lower_bound_us=proven,
                             notes=tuple(notes) + ("only the leanest plan fits: every saved tensor moved out and back "
@@ -143,7 +143,7 @@ class CpSat:
             if blocks.blocks_replicated:
                 quality = "OPTIMAL" if blocks.blocks_proven == blocks.blocks_replicated else "FEASIBLE"
                 block_status = f"BLOCKS:{quality}({blocks.blocks_replicated}/{blocks.blocks_total} blocks)"
-                tl = timeline_of(problem, costs, blocks.decisions)
+                tl = figures_of(problem, costs, blocks.decisions)
                 best = (tl.makespan_us, Plan(strategy=self.name, budget_bytes=budget_bytes,
                                              decisions=blocks.decisions, status=block_status,
                                              lower_bound_us=proven), tl.peak_bytes)
@@ -214,7 +214,7 @@ class CpSat:
         # The solve's step time is the model's time for its decisions (perhaps with a wait more than they need
         # where the search stopped early): re-timing them cost up to 2 s and the simulator has the last word.
         predicted = objective
-        tl = timeline_of(problem, costs, decisions)
+        tl = figures_of(problem, costs, decisions)
         quality = "optimal" if status == "OPTIMAL" else "best found"
         notes.append(f"solver, exact pass: {quality} among the points it considers, predicted "
                      f"{(predicted or objective) / 1e3:.3f} ms, simulated {tl.makespan_us / 1e3:.3f} ms")

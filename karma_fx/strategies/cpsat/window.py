@@ -24,7 +24,7 @@ from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
-from karma_fx.strategies.base import reconcile, timeline_of
+from karma_fx.strategies.base import figures_of, reconcile, timeline_of
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
 from karma_fx.strategies.cpsat.model import Candidate
 from karma_fx.strategies.cpsat.options import SolverOptions
@@ -107,7 +107,7 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
         _, choices, _, _ = result
         try:
             trial = reconcile(problem, list(outside) + list(model.decisions(choices)))
-            tl = timeline_of(problem, costs, trial)
+            tl = figures_of(problem, costs, trial)
         except (InvalidPlanError, ValueError) as exc:
             notes.append(f"{label}: the solver's plan does not run in the simulator ({exc})")
             continue
