@@ -34,7 +34,7 @@ from karma_fx.plan import Plan
 from karma_fx.strategies import Strategy
 
 log = logging.getLogger("karma_fx.compile")
-_OWN = ("_orig_mod", "_session", "_compiled", "pipeline")
+_OWN = ("_orig_mod", "_session", "_compiled", "pipeline", "_parameters_seen")
 
 
 class KarmaModule(nn.Module):
@@ -67,6 +67,7 @@ class KarmaModule(nn.Module):
         object.__setattr__(self, "pipeline", pipeline)
         object.__setattr__(self, "_session", session)
         object.__setattr__(self, "_compiled", torch.compile(model, backend=KarmaBackend(session), dynamic=False))
+        object.__setattr__(self, "_parameters_seen", _parameter_signature(model))
 
     # ---- behave like the model ----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -159,6 +160,7 @@ class KarmaModule(nn.Module):
         from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
 
         _check_runnable(self._orig_mod, args, kwargs)
+        self._recompile_if_parameters_changed()
         session = self._session
         session.begin_step()
         try:
@@ -183,7 +185,25 @@ class KarmaModule(nn.Module):
         return out
 
 
+    def _recompile_if_parameters_changed(self) -> None:
+        """Compile afresh when a parameter was unfrozen, frozen, replaced or added since the last call.
+
+        Dynamo guards on these itself, but not on every torch this package supports: torch 2.11 reuses a graph
+        compiled with a frozen layer after ``requires_grad_(True)``, and that layer then silently gets no
+        gradient (plain ``torch.compile`` too). A new backend object makes Dynamo's cached code for the old one
+        miss, so the region is captured again with the parameters as they are now."""
+        seen = _parameter_signature(self._orig_mod)
+        if seen != self._parameters_seen:
+            object.__setattr__(self, "_compiled", torch.compile(self._orig_mod, backend=KarmaBackend(self._session),
+                                                                dynamic=False))
+            object.__setattr__(self, "_parameters_seen", seen)
+
+
 RECOMPILE_LIMIT = 64
+
+
+def _parameter_signature(model: nn.Module) -> tuple[tuple[int, bool], ...]:
+    return tuple((id(p), p.requires_grad) for p in model.parameters())
 
 
 def _first_line(exc: object) -> str:

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -83,6 +84,16 @@ class _StepModule(nn.Module):
         state = {name: getattr(self, slot) for name, slot in self._names.items()}
         out = torch.func.functional_call(self._model, state, tuple(args), kwargs, tie_weights=True, strict=False)
         return _flatten_outputs(out, self._loss_only)
+
+
+def copy_joint(step: "CapturedStep") -> fx.GraphModule:
+    """A copy of ``step.joint`` whose graph a pass may edit: the graph and its nodes are copied, the module's
+    tensor attributes (a model's constants) are shared, not cloned. Passes edit graphs, never constants, and
+    cloning a real constant inside AOTAutograd's partitioner runs under its fake mode, which torch 2.11
+    refuses (T5's position-bias constant: "set the storage of a tensor on device meta to ... cpu")."""
+    joint = fx.GraphModule(step.joint, copy.deepcopy(step.joint.graph))
+    joint.meta.update(step.joint.meta)
+    return joint
 
 
 def _flatten_outputs(out: Any, loss_only: bool) -> tuple[torch.Tensor, ...]:

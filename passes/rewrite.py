@@ -20,7 +20,6 @@ Example::
 """
 from __future__ import annotations
 
-import copy
 import operator
 
 import torch
@@ -28,7 +27,7 @@ import torch.fx as fx
 
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma
 from karma_fx.errors import InvalidPlanError
-from karma_fx.passes.capture import CapturedStep
+from karma_fx.passes.capture import CapturedStep, copy_joint
 from karma_fx.passes.liveness import _forward_nodes
 from karma_fx.plan import GradToHost, Offload, Plan, Recompute, StreamWeight
 from karma_fx.problem import Problem
@@ -37,7 +36,7 @@ from karma_fx.problem import Problem
 def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.GraphModule, set[str]]:
     """A copy of ``step.joint`` doing what ``plan`` says, and the names of the nodes that must run in the
     forward (the offloads and buffer snapshots), for the partitioner."""
-    joint = copy.deepcopy(step.joint)
+    joint = copy_joint(step)
     graph = joint.graph
     nodes = {n.name: n for n in graph.nodes}
     forward = {nodes[n.name] for n in _forward_nodes(step)}

@@ -5,12 +5,11 @@ translate its saved set into storages and let our simulator judge the result lik
 """
 from __future__ import annotations
 
-import copy
 import operator
 
 import torch.fx as fx
 
-from karma_fx.passes.capture import CapturedStep
+from karma_fx.passes.capture import CapturedStep, copy_joint
 from karma_fx.problem import Problem
 
 
@@ -19,7 +18,7 @@ def saved_storages(step: CapturedStep, problem: Problem, memory_budget: float) -
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    joint = copy.deepcopy(step.joint)
+    joint = copy_joint(step)
     with functorch_config.patch(activation_memory_budget=float(memory_budget)):
         fw, _ = min_cut_rematerialization_partition(joint, step.joint_inputs, num_fwd_outputs=step.num_fwd_outputs)
     output = next(n for n in fw.graph.nodes if n.op == "output")
