@@ -160,12 +160,19 @@ class Check:
                 prof.export_chrome_trace(str(path))  # the step's timeline: compute, copy streams, host
                 self.kernels += f"; trace {path.name}"
         if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the reserved peak below then counts what this step's blocks needed
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
+            reserved_before = torch.cuda.memory_reserved()
             one()
             torch.cuda.synchronize()
             # Weights and inputs live before the step; the planner's peak counts them too.
             peak = torch.cuda.max_memory_allocated() - before + _resident_bytes(model, args, kwargs)
+            # Allocated bytes drop a swapped-out tensor when the graph does; its block is reusable only once the
+            # copy reading it is done (record_stream). Reserved bytes include that wait, and allocator rounding.
+            reserved = torch.cuda.max_memory_reserved() - reserved_before + _resident_bytes(model, args, kwargs)
+            self.kernels = (self.kernels + "; " if self.kernels else "") + f"reserved peak {format_bytes(reserved)}"
         else:
             from karma_fx.measure_run import AllocatorPeak
 
