@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from karma_fx.backend import KarmaBackend
-from karma_fx.session import Region, Session
+from karma_fx.session import Region, Session, parameters_and_buffers
 from karma_fx.config import KarmaConfig
 from karma_fx.device import DeviceSpec
 from karma_fx.errors import KarmaError, UnsupportedModelError
@@ -67,7 +67,7 @@ class KarmaModule(nn.Module):
         object.__setattr__(self, "pipeline", pipeline)
         object.__setattr__(self, "_session", session)
         object.__setattr__(self, "_compiled", torch.compile(model, backend=KarmaBackend(session), dynamic=False))
-        object.__setattr__(self, "_parameters_seen", _parameter_signature(model))
+        object.__setattr__(self, "_parameters_seen", _parameter_signature(list(model.parameters())))
 
     # ---- behave like the model ----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -159,10 +159,11 @@ class KarmaModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
 
-        _check_runnable(self._orig_mod, args, kwargs)
-        self._recompile_if_parameters_changed()
+        params, buffers = parameters_and_buffers(self._orig_mod)  # walked once a call, for all below
+        _check_runnable(params + buffers, args, kwargs)
+        self._recompile_if_parameters_changed(params)
         session = self._session
-        session.begin_step()
+        session.begin_step((params, buffers))
         try:
             # Each compiled module has its own backend, so Dynamo keeps one cache entry per module on the model
             # class's code; past its recompile limit it would run the model eagerly, unplanned, without a word.
@@ -185,14 +186,14 @@ class KarmaModule(nn.Module):
         return out
 
 
-    def _recompile_if_parameters_changed(self) -> None:
+    def _recompile_if_parameters_changed(self, params: list[nn.Parameter]) -> None:
         """Compile afresh when a parameter was unfrozen, frozen, replaced or added since the last call.
 
         Dynamo guards on these itself, but not on every torch this package supports: torch 2.11 reuses a graph
         compiled with a frozen layer after ``requires_grad_(True)``, and that layer then silently gets no
         gradient (plain ``torch.compile`` too). A new backend object makes Dynamo's cached code for the old one
         miss, so the region is captured again with the parameters as they are now."""
-        seen = _parameter_signature(self._orig_mod)
+        seen = _parameter_signature(params)
         if seen != self._parameters_seen:
             object.__setattr__(self, "_compiled", torch.compile(self._orig_mod, backend=KarmaBackend(self._session),
                                                                 dynamic=False))
@@ -202,8 +203,8 @@ class KarmaModule(nn.Module):
 RECOMPILE_LIMIT = 64
 
 
-def _parameter_signature(model: nn.Module) -> tuple[tuple[int, bool], ...]:
-    return tuple((id(p), p.requires_grad) for p in model.parameters())
+def _parameter_signature(params: list[nn.Parameter]) -> tuple[tuple[int, bool], ...]:
+    return tuple((id(p), p.requires_grad) for p in params)
 
 
 def _first_line(exc: object) -> str:
@@ -218,12 +219,11 @@ def _trains(model: nn.Module, args: tuple, kwargs: dict) -> bool:
         t.requires_grad for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
-def _check_runnable(model: nn.Module, args: tuple, kwargs: dict) -> None:
+def _check_runnable(weights: list[torch.Tensor], args: tuple, kwargs: dict) -> None:
     import torch.utils._pytree as pytree
 
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    devices = {t.device.type for t in tensors} | {t.device.type for t in
-                                                   list(model.parameters()) + list(model.buffers())}
+    devices = {t.device.type for t in tensors} | {t.device.type for t in weights}
     if "meta" in devices:
         raise UnsupportedModelError(
             "the model or its inputs are on the meta device: they have no values to train on. Plan it without "

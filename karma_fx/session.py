@@ -29,6 +29,28 @@ from karma_fx.strategies import DEFAULT_STRATEGY
 log = logging.getLogger("karma_fx.session")
 
 
+def parameters_and_buffers(model: nn.Module) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """``list(model.parameters()), list(model.buffers())`` in one walk of the module tree. This runs every
+    step; ``nn.Module.parameters()`` builds a dotted name for every parameter through nested generators, which
+    on a 24-layer model costs about a millisecond per call."""
+    params: dict[int, nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
+    stack, seen = [model], {id(model)}
+    while stack:
+        module = stack.pop()
+        for p in module._parameters.values():
+            if p is not None:
+                params.setdefault(id(p), p)
+        for b in module._buffers.values():
+            if b is not None:
+                buffers.setdefault(id(b), b)
+        for child in reversed(list(module._modules.values())):
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return list(params.values()), list(buffers.values())
+
+
 @dataclass
 class Variant:
     """One plan of a region, compiled: what Dynamo's cached code calls for the runs that use this plan."""
@@ -122,11 +144,15 @@ class Session:
         self._own_of_last_choice = 0
         self._previous_fit = False
         self.warned_eager = False
+        self._persistent_counted = False
+        """Whether ``_step_persistent`` was counted for this step (walking every parameter, buffer and gradient
+        of a large model costs a millisecond: once a step, not once a call)."""
 
     # ---- steps ------------------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """A new training step starts (the front door calls this; the raw backend infers it)."""
-        self._step_persistent = self._model_persistent_bytes()
+    def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None) -> None:
+        """A new training step starts (the front door calls this, passing the model's parameters and buffers
+        it has already walked; the raw backend infers it)."""
+        self._step_persistent = self._model_persistent_bytes(tensors)
         if self._runs:
             self._previous = self._runs
             self._previous_persistent = sum(self._seen.values())  # weights and buffers: the same next step
@@ -142,13 +168,17 @@ class Session:
                                                       ) <= self.budget_bytes
         self._runs, self._seen, self._inputs, self._saw_backward = [], {}, {}, False
         self._produced: set[int] = set()
+        self._persistent_counted = True
 
-    def _model_persistent_bytes(self) -> int:
-        model = self._model() if self._model is not None else None
-        if model is None:
-            return 0
+    def _model_persistent_bytes(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None
+                                ) -> int:
+        if tensors is None:
+            model = self._model() if self._model is not None else None
+            if model is None:
+                return 0
+            tensors = parameters_and_buffers(model)
         seen: dict[int, int] = {}
-        for t in list(model.parameters()) + list(model.buffers()):
+        for t in tensors[0] + tensors[1]:
             if self.config.offload_weights and isinstance(t, nn.Parameter):
                 continue
             for x in (t, t.grad):
@@ -160,18 +190,18 @@ class Session:
     def _persistent(self, args: list[Any], region: Region) -> tuple[int, int]:
         """Bytes on the device all step long (weights and buffers, and the inputs no earlier run produced: the
         batch the caller holds), and how many of them this run's own problem already counts."""
+        storages = []  # (pointer, bytes) of every argument this accounting covers; one pass, run every call
         for t, kind in zip(args, region.kinds):
             if not isinstance(t, torch.Tensor) or (kind == "param" and self.config.offload_weights):
                 continue
             s = t.untyped_storage()
+            pointer, nbytes = s.data_ptr(), s.nbytes()
+            storages.append((pointer, nbytes))
             if kind in ("param", "buffer"):
-                self._seen[s.data_ptr()] = s.nbytes()
-            elif s.data_ptr() not in self._produced:  # the batch: this step's, not the last step's size
-                self._inputs[s.data_ptr()] = s.nbytes()
-        mine = {**self._seen, **self._inputs}
-        own = sum(t.untyped_storage().nbytes() for t, kind in zip(args, region.kinds)
-                  if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in mine
-                  and not (kind == "param" and self.config.offload_weights))
+                self._seen[pointer] = nbytes
+            elif pointer not in self._produced:  # the batch: this step's, not the last step's size
+                self._inputs[pointer] = nbytes
+        own = sum(nbytes for pointer, nbytes in storages if pointer in self._seen or pointer in self._inputs)
         return self._weights_bytes() + sum(self._inputs.values()), own
 
     def _weights_bytes(self) -> int:
@@ -217,8 +247,9 @@ class Session:
             ) -> Any:
         if self._saw_backward:
             self.begin_step()
-        if not self._runs and not self._seen:
+        if not self._persistent_counted:  # the raw backend's first step: no front door called begin_step
             self._step_persistent = self._model_persistent_bytes()
+            self._persistent_counted = True
         if region.prepared is None:
             variant = compile_variant(region, None, args)  # plans inside the partitioner (``decide``)
             if region.prepared is None:  # an inference graph: nothing saved, nothing planned

@@ -216,3 +216,22 @@ def test_data_dependent_ops_and_inputs_that_require_grad():
     leaf.grad = None
     reference(leaf * 2).sum().backward()
     assert torch.allclose(got, leaf.grad, rtol=1e-6, atol=0)
+
+
+def test_one_walk_finds_what_parameters_and_buffers_find():
+    """The front door walks the module tree once a call (``parameters_and_buffers``); it must find exactly
+    what ``parameters()`` and ``buffers()`` do, in their order: shared weights and a module used twice once,
+    a missing bias not at all."""
+    from karma_fx.session import parameters_and_buffers
+
+    shared = torch.nn.Linear(4, 4, bias=False)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), shared,
+                                torch.nn.Sequential(shared, torch.nn.Linear(4, 4)))
+    model[0].register_buffer("scale", torch.ones(1))
+    params, buffers = parameters_and_buffers(model)
+    assert [id(p) for p in params] == [id(p) for p in model.parameters()]
+    assert [id(b) for b in buffers] == [id(b) for b in model.buffers()]
+    tied = torch.nn.ModuleDict({"a": torch.nn.Embedding(5, 4), "b": torch.nn.Linear(4, 5, bias=False)})
+    tied["b"].weight = tied["a"].weight
+    params, _ = parameters_and_buffers(tied)
+    assert [id(p) for p in params] == [id(p) for p in tied.parameters()] and len(params) == 1
