@@ -185,7 +185,6 @@ class KarmaModule(nn.Module):
                             "and the budget is not enforced", type(self._orig_mod).__name__)
         return out
 
-
     def _recompile_if_parameters_changed(self, params: list[nn.Parameter]) -> None:
         """Compile afresh when a parameter was unfrozen, frozen, replaced or added since the last call.
 

@@ -21,8 +21,8 @@ wrapper hands a freed buffer to a later allocation of the same size instead of f
 del buf2  # reuse``), which keeps the freed buffer alive until that later allocation. It does so only where
 its own estimate of the graph's memory says the graph's peak does not grow, but that estimate reads sizes
 and readers the scheduler computes only inside the peak-memory pass: with the pass off only the graph's
-inputs count, and reuses that raise the peak are taken. The plan frees each tensor after its last reader, so each such
-reuse is memory the plan never counted: on a two-layer GPT (``bench/inductor_overhead.py``) one 0.5 MiB
+inputs count, and reuses that raise the peak are taken. The plan frees each tensor after its last reader, so
+each such reuse is memory the plan never counted: on a two-layer GPT (``bench/inductor_overhead.py``) one 0.5 MiB
 gradient held across a 2 MiB matmul put the measured peak 2.4% above the plan and over the budget.
 ``ReuseGuard`` computes that information after fusion, on the final node order, so the reuse guard works
 as it does under ``torch.compile(backend="inductor")``: a reuse never raises the graph's peak (and, a
@@ -42,7 +42,8 @@ import torch.fx as fx
 
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma before Inductor meets them
 
-__all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "ReuseGuard", "compile_region", "min_cut_partition", "reuse_guard_patches"]
+__all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "ReuseGuard", "compile_region", "min_cut_partition",
+           "reuse_guard_patches"]
 
 PLAN_SAFE_CONFIG: dict[str, Any] = {
     "reorder_for_peak_memory": False,
