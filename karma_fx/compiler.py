@@ -67,7 +67,7 @@ class KarmaModule(nn.Module):
         object.__setattr__(self, "pipeline", pipeline)
         object.__setattr__(self, "_session", session)
         object.__setattr__(self, "_compiled", torch.compile(model, backend=KarmaBackend(session), dynamic=False))
-        object.__setattr__(self, "_parameters_seen", _parameter_signature(list(model.parameters())))
+        object.__setattr__(self, "_parameters_seen", _parameter_signature(parameters_and_buffers(model)[0]))
 
     # ---- behave like the model ----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:

@@ -49,6 +49,12 @@ def storage_bytes(*groups: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
+def event_device(event: Any) -> str:
+    """``"CPU"`` or ``"CUDA"``: where a torch.profiler event happened (for a memory event, which allocator it
+    came from; a step on a GPU also allocates small host tensors, which are not the device memory budgeted)."""
+    return str(event.device_type()).rsplit(".", 1)[-1]
+
+
 class AllocatorPeak:
     """Peak allocator bytes during a ``with`` block, from torch.profiler's raw memory events.
 
@@ -80,7 +86,7 @@ class AllocatorPeak:
         self._prof.__exit__(*exc)
         events = self._prof.profiler.kineto_results.events()
         deltas = sorted((e.start_ns(), e.nbytes()) for e in events
-                        if e.name() == "[memory]" and str(e.device_type()).rsplit(".", 1)[-1] == self.device)
+                        if e.name() == "[memory]" and event_device(e) == self.device)
         running = peak = 0
         for _, nbytes in deltas:
             running += nbytes

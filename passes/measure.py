@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from karma_fx.measure_run import event_device
 from karma_fx.passes.capture import CapturedStep
 from karma_fx.passes.liveness import execution_order, forward_node_count, tensors_of
 
@@ -132,6 +133,10 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
                 env[node] = node.target(*a, **kw)
 
 
+_NODE_TAG = "karma_fx.node:"
+"""Prefix of the ``record_function`` range around each node, by which profiler events are tied to nodes."""
+
+
 def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
     """Run ``step.joint`` for real ``repeats`` times and return each node's time in µs: on a CPU its median
     wall time, on CUDA the GPU time of the kernels it launched (``_cuda_kernel_times``, which says why).
@@ -168,23 +173,22 @@ def _cuda_kernel_times(step: CapturedStep, primals: list[torch.Tensor], repeats:
     The cost model thereby assumes the host keeps ahead of the GPU, as it does in a GPU-bound step."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    tag = "karma_fx.node:"
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
         _run_joint(step, primals, lambda node: contextlib.nullcontext())  # warm up (handles, autotuning)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
-                _run_joint(step, primals, lambda node: record_function(tag + node.name))
+                _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name))
             torch.cuda.synchronize()
     events = prof.profiler.kineto_results.events()
-    ranges = sorted((e.start_ns(), e.end_ns(), e.name()[len(tag):]) for e in events
-                    if e.name().startswith(tag) and _device_type(e) == "CPU")
+    ranges = sorted((e.start_ns(), e.end_ns(), e.name()[len(_NODE_TAG):]) for e in events
+                    if e.name().startswith(_NODE_TAG) and event_device(e) == "CPU")
     starts = [r[0] for r in ranges]
-    launched_at = {e.correlation_id(): e.start_ns() for e in events
-                   if _device_type(e) == "CPU" and e.linked_correlation_id() == 0 and not e.name().startswith(tag)}
+    launched_at = {e.correlation_id(): e.start_ns() for e in events if event_device(e) == "CPU"
+                   and e.linked_correlation_id() == 0 and not e.name().startswith(_NODE_TAG)}
     total: dict[str, float] = {name: 0.0 for _, _, name in ranges}
     for e in events:
-        if _device_type(e) != "CUDA" or e.name() == "[memory]":
+        if event_device(e) != "CUDA" or e.name() == "[memory]":
             continue
         at = launched_at.get(e.linked_correlation_id())
         i = bisect.bisect_right(starts, at) - 1 if at is not None else -1
@@ -199,20 +203,20 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
     backward, softmax's row buffers, a convolution's reordered weights). Only nodes with some are listed.
 
     Read off the device allocator's own events (torch.profiler memory records of the primals' device,
-    bracketed by a ``record_function`` per node): storage liveness cannot see an allocation that never becomes a tensor the
-    graph holds. The RNG state is restored afterwards, as in ``time_joint``."""
+    bracketed by a ``record_function`` per node): storage liveness cannot see an allocation that never becomes
+    a tensor the graph holds. The RNG state is restored afterwards, as in ``time_joint``."""
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    tag = "karma_fx.node:"
+    cuda = any(t.is_cuda for t in primals)
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if any(t.is_cuda for t in primals) else [])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities, profile_memory=True) as prof:
-            _run_joint(step, primals, lambda node: record_function(tag + node.name))
+            _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name))
     events = prof.profiler.kineto_results.events()
-    device = "CUDA" if any(t.is_cuda for t in primals) else "CPU"
+    device = "CUDA" if cuda else "CPU"
     memory = sorted((e.start_ns(), e.nbytes()) for e in events
-                    if e.name() == "[memory]" and _device_type(e) == device)
+                    if e.name() == "[memory]" and event_device(e) == device)
     times = [t for t, _ in memory]
     running, total = [], 0
     for _, nbytes in memory:
@@ -220,18 +224,12 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
         running.append(total)
     scratch: dict[str, int] = {}
     for e in events:
-        if not e.name().startswith(tag):
+        if not e.name().startswith(_NODE_TAG):
             continue
         i, j = bisect.bisect_left(times, e.start_ns()), bisect.bisect_right(times, e.end_ns())
         if j <= i:
             continue
         transient = max(running[i:j]) - running[j - 1]  # the node's peak above what it leaves allocated
         if transient > 0:
-            scratch[e.name()[len(tag):]] = transient
+            scratch[e.name()[len(_NODE_TAG):]] = transient
     return scratch
-
-
-def _device_type(event: Any) -> str:
-    """``"CPU"`` or ``"CUDA"``: which allocator a profiler memory event came from (a step on a GPU also
-    allocates small host tensors, which are not the device memory the plan budgets)."""
-    return str(event.device_type()).rsplit(".", 1)[-1]
