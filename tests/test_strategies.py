@@ -148,3 +148,21 @@ def test_bounded_orders_let_each_chain_rebuild_at_most_a_neighbour_or_two():
     assert taken(2.5) == ["a0", "a1", "a3", "a4"]
     assert taken(100.0) == [f"a{i}" for i in range(6)]  # unbounded: the cheap-first order
     assert "a1" not in taken(2.5, away={"a1"})  # swapped tensors are not recomputed
+
+
+def test_checkpointed_resnet_blocks_rebuild_from_their_own_input():
+    """A ResNet block's residual add is read in the backward only through the next block's relu; keeping that
+    relu's output keeps every recompute chain inside the block whose tensors it rebuilds."""
+    from karma_fx.strategies.base import RecomputeBuilder, blocks_from_cuts
+    from karma_fx.strategies.checkpoint import checkpoint_decisions
+
+    prep = prepared("resnet50")
+    problem = prep.problem
+    blocks = blocks_from_cuts(problem, len(problem.cut_points))
+    block_of = {i: b for b, (first, last) in enumerate(blocks) for i in range(first, last + 1)}
+    decisions = checkpoint_decisions(problem, blocks, RecomputeBuilder(problem))
+    assert decisions
+    for d in decisions:
+        home = {block_of[problem.storage(t).producer] for t in d.tensors}
+        assert len(home) == 1
+        assert {block_of[problem.op_index(o)] for o in d.ops} == home, d

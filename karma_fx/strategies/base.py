@@ -138,6 +138,30 @@ def blocks_from_cuts(problem: Problem, count: int) -> list[tuple[int, int]]:
     return blocks
 
 
+def block_inputs(problem: Problem, blocks: list[tuple[int, int]]) -> set[str]:
+    """What a block-wise plan keeps so that each block is rebuilt from its own input: the outputs of every
+    block's last op, and where none of those is a saved activation, the saved outputs of the forward ops that
+    read them. Why: a ResNet block ends with its residual add, which the backward reads only through the relu
+    that starts the next block, so the add's output is freed in the forward and a chain that starts from it
+    first rebuilds the previous block's last convolution, batch norm and add. Keeping the relu's output (the
+    same bytes) keeps every chain inside its block: the checkpoint strategy on ResNet-50 (bf16-mixed, real size,
+    H100 preset) went from 1.445x to 1.285x the unlimited step at 0.35 of the unplanned peak, its peak from 3.67
+    to 3.56 GiB; ResNet-200's from 1.382x to 1.318x."""
+    saved = {s.name for s in problem.saved_activations()}
+    kept: set[str] = set()
+    nf = problem.num_fwd_ops
+    for _, last in blocks:
+        outs = set(problem.ops[last].outputs)
+        kept |= outs
+        if outs & saved:
+            continue
+        for o in outs:
+            for u in problem.storage(o).users:
+                if u < nf:
+                    kept |= {x for x in problem.ops[u].outputs if x in saved}
+    return kept
+
+
 def pick_best(problem: Problem, costs: Costs, budget_bytes: int,
               options: Iterable[tuple[Sequence[Decision], T]]) -> tuple[tuple[Decision, ...], T]:
     """The option that fits the budget fastest, or, if none fits, the one with the lowest peak (then fastest).

@@ -14,14 +14,14 @@ import math
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import RecomputeBuilder, blocks_from_cuts, pick_best, saved_gaps
+from karma_fx.strategies.base import RecomputeBuilder, block_inputs, blocks_from_cuts, pick_best, saved_gaps
 
 
 def checkpoint_decisions(problem: Problem, blocks: list[tuple[int, int]], builder: RecomputeBuilder) -> list[Decision]:
     gaps = saved_gaps(problem)
     decisions: list[Decision] = []
+    boundary = block_inputs(problem, blocks)
     for first, last in blocks:
-        boundary = set(problem.ops[last].outputs)
         dropped = [g for g in gaps
                    if g.storage.producer is not None and first <= g.storage.producer <= last
                    and g.storage.name not in boundary and problem.ops[g.storage.producer].recomputable]

@@ -29,8 +29,8 @@ from karma_fx import progress
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import (Gap, RecomputeBuilder, blocks_from_cuts, figures_of, offload_for, reconcile,
-                                     saved_gaps)
+from karma_fx.strategies.base import (Gap, RecomputeBuilder, block_inputs, blocks_from_cuts, figures_of, offload_for,
+                                     reconcile, saved_gaps)
 from karma_fx.strategies.torch_budget import decisions_for_saved
 
 QUOTAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
@@ -104,8 +104,7 @@ class Greedy:
         best_order: str | None = None
         lowest: tuple[int, float, tuple[Decision, ...], str] | None = None
         judged: dict = {}
-        last_ops = [last for _, last in blocks_from_cuts(problem, len(problem.cut_points))]
-        boundaries = {s for last in last_ops for s in problem.ops[last].outputs}
+        boundaries = block_inputs(problem, blocks_from_cuts(problem, len(problem.cut_points)))
         large = len(problem.ops) > LARGE_OPS
         stopped = False
         for quota in (QUOTAS_LARGE if large else QUOTAS) if costs.allow_offload else (0.0,):
