@@ -166,3 +166,19 @@ def test_checkpointed_resnet_blocks_rebuild_from_their_own_input():
         home = {block_of[problem.storage(t).producer] for t in d.tensors}
         assert len(home) == 1
         assert {block_of[problem.op_index(o)] for o in d.ops} == home, d
+
+
+def test_greedy_fetches_on_demand_where_the_copy_backlog_would_refill_the_device():
+    """Near the floor the FIFO placement starts the prefetch backlog at the start of the backward, so every
+    swapped tensor is back at once and nothing fits; fetched on demand (the step stalls for each copy) it fits."""
+    from karma_fx.strategies.greedy import Greedy
+    from karma_fx.strategies.leanest import leanest_peak
+
+    prep = prepared("resnet50")
+    floor = leanest_peak(prep.problem, prep.costs)
+    budget = floor + (prep.unplanned_peak_bytes - floor) // 20
+    plan = Greedy()(prep.problem, prep.costs, budget)
+    again = simulate(prep.problem, plan, prep.costs)
+    assert again.peak_bytes <= budget and "fetched on demand" in plan.notes[0]
+    offloads = [d for d in plan.decisions if isinstance(d, Offload)]
+    assert offloads and all(d.prefetch_at == d.reload_before for d in offloads)
