@@ -203,7 +203,8 @@ def test_planned_steps_equal_inductor(build_model, budget, strategy):
     model, args, kwargs = build_model()
     compiled = karma_fx.compile(model, budget=budget, strategy=strategy, compiler="inductor")
     schedules = Schedules()
-    run_steps(model, compiled, args, kwargs, schedules=schedules)
+    with pytest.warns(UserWarning, match="can peak above the plan"):  # see bench/versus_torch.py's Inductor rows
+        run_steps(model, compiled, args, kwargs, schedules=schedules)
     plan = compiled.plan
     assert {type(d) for d in plan.decisions} & {Offload, Recompute}, plan.status
     assert_measured_within_plan(model, compiled, args, kwargs)
