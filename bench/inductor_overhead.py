@@ -24,8 +24,10 @@ Predict table (``--predict``): the plan's predicted step time against the measur
 each ``--predict-budgets`` fraction, each prediction twice from the same op times: as the plan now counts
 them (a fused group costs its kernel, ``karma_fx.fusion.kernel_costs``) and replayed on the ops one by one
 (as before). On two shared CPU cores, ``--threads 1``, measured costs: megatron_gpt nothing moved predicted
-+0% (fused kernels) against +29% (ops one by one); the measured op times themselves vary by +-20% between
-compiles there (three repeats each, other load on the machine), which bounds what any row can show.
++0% (fused kernels) against +29% (ops one by one); the measured op times themselves varied by +-20% between
+compiles there (three repeats each, other load on the machine), which bounds what any row can show. That was
+before op timing paused Python's garbage collector after an untimed pass: four compiles of a 4-layer d=512 GPT
+now predict 777-799 ms (the eager path; this bench not re-run since).
 """
 from __future__ import annotations
 
