@@ -215,6 +215,8 @@ class Greedy:
         step = max(1, len(pool) // 8)
         marks = list(range(0, len(pool), step)) + [len(pool)]
         for queue in (True, False):
+            if not queue and not fits(len(pool), queue):
+                break  # not even every eviction fetched on demand fits: no scan (it doubled greedy's time there)
             hi = next((k for k in marks if fits(k, queue)), None)
             if hi is not None:
                 break
