@@ -130,8 +130,6 @@ def kernel_workspace_bytes(name):
 def test_measured_peak_of_the_real_run_matches_the_simulator(name, strategy):
     """The allocator's peak over a steady-state compiled step (torch.profiler memory events) stays under the
     budget and within 5% of the simulator's peak, up to the kernels' scratch memory measured on eager."""
-    from karma_fx.measure_run import measure_step_peak
-
     high, mid, low = budgets(name)
     model, args, kwargs = build(name, "tiny")
     compiled = karma_fx.compile(model, budget=max(mid, low), strategy=strategy)
@@ -140,6 +138,13 @@ def test_measured_peak_of_the_real_run_matches_the_simulator(name, strategy):
     except InfeasibleBudgetError:
         compiled = karma_fx.compile(model, budget=high, strategy=strategy)
         output_to_loss(compiled(*args, **kwargs)).backward()
+    assert_peak_as_planned(name, model, compiled, args, kwargs)
+
+
+def assert_peak_as_planned(name, model, compiled, args, kwargs):
+    """A steady-state step's allocator peak is under the budget and within 5% of the plan's, up to scratch."""
+    from karma_fx.measure_run import measure_step_peak
+
     live = measure_step_peak(model, compiled, args, kwargs, output_to_loss)
     plan = compiled.plan
     scratch = kernel_workspace_bytes(name)
@@ -149,6 +154,17 @@ def test_measured_peak_of_the_real_run_matches_the_simulator(name, strategy):
     assert live.peak_bytes <= plan.budget_bytes + scratch + 16, (live.peak_bytes, plan.budget_bytes, scratch)
     assert abs(live.peak_bytes - scratch - plan.peak_bytes) <= 0.05 * plan.peak_bytes + scratch, (
         live.peak_bytes, plan.peak_bytes, scratch)
+
+
+def test_greedy_fetched_on_demand_trains_as_eager_within_its_peak():
+    """At ResNet-50's floor greedy fits only by fetching its swaps on demand: the rewritten step trains as eager
+    and its allocator peak is the plan's."""
+    high, mid, low = budgets("resnet50")
+    model, args, kwargs = build("resnet50", "tiny")
+    compiled = karma_fx.compile(model, budget=low, strategy="greedy")
+    assert_same_training(model, compiled, args, kwargs)
+    assert "fetched on demand" in compiled.plan.notes[0] and compiled.plan.fits
+    assert_peak_as_planned("resnet50", model, compiled, args, kwargs)
 
 
 def test_steady_state_over_eight_steps():
