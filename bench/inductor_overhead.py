@@ -11,8 +11,8 @@ partition, which saves the embeddings' sum rather than both embeddings, so its r
 Variants run interleaved, step by step, so machine drift hits them alike; medians in milliseconds.
 
 Peak table: the allocator-measured peak (``karma_fx.measure_run.AllocatorPeak``, torch.profiler memory
-events, a steady-state step) of plain Inductor and of karma + Inductor at each fraction in ``--budgets``,
-beside the plan's predicted peak. The plan is made on the problem as Inductor allocates it
+events, a steady-state step) of plain Inductor and of karma + Inductor for each of ``--strategies`` at each
+fraction in ``--budgets``, beside the plan's predicted peak. The plan is made on the problem as Inductor allocates it
 (``karma_fx.fusion.inductor_problem``: fused pointwise intermediates cost nothing, the addmm rewrite's later
 matmul is modelled), Inductor's buffer reuse is kept from raising a graph's peak (``karma_fx.inductor.
 ReuseGuard``) and a plan that moves nothing gets Inductor's min-cut partition only where it peaks no higher
@@ -53,6 +53,12 @@ MODELS = {
     "mlp": lambda: build("mlp", "tiny", batch=512, hidden=1024, in_features=512, classes=64),
     "megatron_gpt": lambda: build("megatron_gpt", "tiny", batch=8, seq=128, layers=2, hidden=128, vocab=512,
                                   dropout=0.0),
+    # the medium GPT of bench/measured_run.py, with its dropout (0.1) and without: planned steps of this size
+    # peak above their plans under Inductor (``--no-time --models gpt-4x512,gpt-4x512-nodrop``)
+    "gpt-4x512": lambda: build("megatron_gpt", "tiny", batch=2, seq=512, layers=4, hidden=512, heads=8,
+                               vocab=2048),
+    "gpt-4x512-nodrop": lambda: build("megatron_gpt", "tiny", batch=2, seq=512, layers=4, hidden=512, heads=8,
+                                      vocab=2048, dropout=0.0),
 }
 
 
@@ -149,7 +155,7 @@ def predict_table(names: list[str], steps: int, budgets: list[float], costs: str
     return rows
 
 
-def peak_table(names: list[str], budgets: list[float]) -> list[list[str]]:
+def peak_table(names: list[str], budgets: list[float], strategies: list[str]) -> list[list[str]]:
     rows = []
     for name in names:
         torch._dynamo.reset()
@@ -159,22 +165,22 @@ def peak_table(names: list[str], budgets: list[float]) -> list[list[str]]:
             _one_step(model, plain, args, kwargs)
         measured = measure_step_peak(model, plain, args, kwargs, output_to_loss).peak_bytes
         rows.append([name, "torch.compile inductor", "", "", format_bytes(measured), ""])
-        for budget in budgets:
+        for strategy, budget in ((st, b) for st in strategies for b in budgets):
             torch._dynamo.reset()
             model, args, kwargs = MODELS[name]()
-            step = karma_fx.compile(model, budget=budget, compiler="inductor")
+            step = karma_fx.compile(model, budget=budget, compiler="inductor", strategy=strategy)
             try:
                 for _ in range(2):
                     _one_step(model, step, args, kwargs)
             except InfeasibleBudgetError as exc:
-                rows.append([name, f"karma + inductor, budget {budget}", format_bytes(exc.budget_bytes),
+                rows.append([name, f"karma {strategy} + inductor, budget {budget}", format_bytes(exc.budget_bytes),
                              f"infeasible: floor {format_bytes(exc.min_budget_bytes)}", "", ""])
                 continue
             measured = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
             plan = step.plan
             predicted = (plan.peak_bytes or 0) + step._session.others_bytes(step.regions[-1])
             budget_bytes = step._session.budget_bytes or 0
-            rows.append([name, f"karma + inductor, budget {budget}", format_bytes(budget_bytes),
+            rows.append([name, f"karma {strategy} + inductor, budget {budget}", format_bytes(budget_bytes),
                          format_bytes(predicted), format_bytes(measured),
                          f"{(measured / predicted - 1) * 100:+.1f}%" if predicted else ""])
     return rows
@@ -185,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="mlp,megatron_gpt")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--budgets", default="1.0,0.9,0.8", help="fractions of the unplanned peak for the peak table")
+    p.add_argument("--strategies", default="cpsat", help="karma strategies of the peak table")
     p.add_argument("--no-time", action="store_true")
     p.add_argument("--no-peak", action="store_true")
     p.add_argument("--predict", action="store_true",
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
     if not a.no_peak:
         budgets = [float(b) for b in a.budgets.split(",") if b]
-        print(tabulate(peak_table(names, budgets), headers=["model", "step", "budget", "predicted peak",
+        print(tabulate(peak_table(names, budgets, a.strategies.split(",")), headers=["model", "step", "budget", "predicted peak",
                                                             "measured peak", "measured vs predicted"],
                        tablefmt="github"))
     return 0

@@ -253,9 +253,9 @@ def regions(options: dict | None) -> list[Region]:
 
 def _warn_inductor_peaks(session: Session) -> None:
     """Say, once per session, that a planned step compiled by Inductor may peak above its plan.
-    Measured on a 4-layer d=512 GPT on a CPU: checkpoint and offload plans peaked 4-10% above their plans, a
-    cpsat plan with dropout 23% above it and past its budget; a plan that moves nothing peaks at the plan's
-    peak. Part of it is the fusion model (a recompute re-materialises intermediates it counts as inlined);
+    Measured on a 4-layer d=512 GPT on a CPU (bench/inductor_overhead.py's peak table): checkpoint plans
+    peaked 10-20% above their plans, cpsat plans up to 23% above and past their budgets with dropout; a plan
+    that moves nothing peaks at the plan's peak. Part of it is the fusion model (a recompute re-materialises intermediates it counts as inlined);
     the dropout case is not explained yet."""
     if session.warned_inductor:
         return
