@@ -25,8 +25,11 @@ inputs count, and reuses that raise the peak are taken. The plan frees each tens
 each such reuse is memory the plan never counted: on a two-layer GPT (``bench/inductor_overhead.py``) one 0.5 MiB
 gradient held across a 2 MiB matmul put the measured peak 2.4% above the plan and over the budget.
 ``ReuseGuard`` computes that information after fusion, on the final node order, so the reuse guard works
-as it does under ``torch.compile(backend="inductor")``: a reuse never raises the graph's peak (and, a
-graph's memory being the step's minus a constant, never the step's).
+as it does under ``torch.compile(backend="inductor")``: a reuse never raises the graph's peak *as Inductor
+estimates it*. That estimate is not the plan's timeline (it counts a kernel's in-place output as a second
+buffer, so its peak can sit well above the real one and leave room for held buffers elsewhere), which is
+enough for a step that moves nothing (it peaks at the plan: the bench above) but not for a planned one: the
+graphs of a plan that moves tensors are compiled with buffer reuse off (``PLANNED_CONFIG``).
 
 Example::
 
@@ -42,8 +45,8 @@ import torch.fx as fx
 
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma before Inductor meets them
 
-__all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "ReuseGuard", "compile_region", "min_cut_partition",
-           "reuse_guard_patches"]
+__all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "PLANNED_CONFIG", "ReuseGuard", "compile_region",
+           "min_cut_partition", "reuse_guard_patches"]
 
 PLAN_SAFE_CONFIG: dict[str, Any] = {
     "reorder_for_peak_memory": False,
@@ -176,6 +179,16 @@ def _announcing(code: Any, on_call: Callable[[], None]) -> Callable:
     return run
 
 
+PLANNED_CONFIG: dict[str, Any] = {"allow_buffer_reuse": False}
+"""Inductor settings for the graphs of a plan that moves tensors. The plan frees each tensor after its last
+reader; Inductor's buffer reuse instead holds a freed buffer until a later allocation of the same size takes
+it, wherever its own estimate of the graph's peak allows, and that estimate is not the plan's: on a 4-layer
+d=512 GPT (``bench/inductor_overhead.py``) a checkpoint plan's backward held one 8 MiB buffer per layer and
+the step peaked 9.8% above the plan (cpsat at 0.75 of the peak: 8.8%, over the budget); with reuse off both
+peak at the plan (-0.7%, +0.0%). A plan that moves nothing keeps Inductor's reuse, guarded by ``ReuseGuard``,
+so that its step stays exactly Inductor's. The cost: an allocator call per buffer (that checkpoint step
+took 1.6% longer on a CPU, within its run-to-run spread)."""
+
 COPY_SAFE_CONFIG: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers": False}
 """Inductor settings for a graph that swaps tensors out. ``karma.offload`` returns as soon as its copy is
 queued; the copy reads the source afterwards (a CUDA side stream, or a CPU copy worker). Inductor only knows
@@ -191,16 +204,19 @@ def _offloads(graph: fx.GraphModule) -> bool:
 
 
 def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Callable,
-                   on_backward: Callable[[], None]) -> Callable:
+                   on_backward: Callable[[], None], moves: Callable[[], bool] = lambda: False) -> Callable:
     """Compile one Dynamo region with Inductor, partitioned (planned and rewritten) by ``partition``.
 
     ``example_inputs`` are fake tensors (inside a ``TracingContext`` of their fake mode, as at Dynamo's compile
     time). ``gm`` is left untouched (Inductor's pre-grad passes edit the graph they get, and a region is
-    compiled once per plan it needs). Returns the callable Dynamo's cached code runs."""
+    compiled once per plan it needs). ``moves``: whether the plan ``partition`` chose moves tensors (asked
+    when each graph is compiled, after the partition: its graphs then get ``PLANNED_CONFIG``). Returns the
+    callable Dynamo's cached code runs."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-        with torch._inductor.config.patch(COPY_SAFE_CONFIG if _offloads(graph) else {}):
+        settings = {**(PLANNED_CONFIG if moves() else {}), **(COPY_SAFE_CONFIG if _offloads(graph) else {})}
+        with torch._inductor.config.patch(settings):
             code = compile_fx_inner(graph, inputs, **kwargs)
         return _announcing(code, on_backward) if kwargs.get("is_backward") else code
 

@@ -293,6 +293,23 @@ def test_planned_peak_is_the_allocator_peak():
     assert_measured_within_plan(model, compiled, args, kwargs, below=0.05)
 
 
+def test_a_planned_step_peaks_at_its_plan():
+    """The same GPT, checkpointed at 0.9 of its peak: the step peaks at the plan's peak (1.9% under it). With
+    Inductor's buffer reuse on, its backward held a freed buffer of each recomputed block until a later one of
+    the same size took it, and the step peaked 33% above the plan (within the budget here; past it on the
+    bench's 4-layer d=512 GPT): a planned graph is compiled without buffer reuse (``PLANNED_CONFIG``)."""
+    model, args, kwargs = build("megatron_gpt", "tiny", batch=8, seq=128, layers=2, hidden=128, vocab=512,
+                                dropout=0.0)
+    compiled = karma_fx.compile(model, budget=0.9, strategy="checkpoint", compiler="inductor")
+    with pytest.warns(UserWarning, match="can peak above the plan"):
+        for _ in range(2):
+            output_to_loss(compiled(*args, **kwargs)).backward()
+            for p in model.parameters():
+                p.grad = None
+    assert any(isinstance(d, Recompute) for d in compiled.plan.decisions), compiled.plan.status
+    assert_measured_within_plan(model, compiled, args, kwargs, below=0.05)
+
+
 def test_a_fused_chain_costs_its_kernel_not_the_sum_of_its_ops():
     """On a hand-made problem: a forward chain ``mul -> add -> sum`` whose two pointwise results Inductor
     inlines is one kernel: it reads ``x`` and ``y`` once and writes the reduction only, with one launch, so
