@@ -11,8 +11,10 @@ order. Three of Inductor's scheduling passes could undo the plan and are switche
 (``PLAN_SAFE_CONFIG``): ``reorder_for_peak_memory`` reorders nodes by its own memory estimate (it would move
 prefetches and recomputes away from the ops the plan anchors them to), ``reorder_for_compute_comm_overlap``
 moves collectives and waits, ``reorder_for_locality`` moves producers next to their consumers. What stays
-is fusion: a fused kernel runs where the earliest of its members ran, after all its inputs, so a copy or a
-wait keeps its place among the ops that read or make its tensors. No CSE runs after our partitioner (AOT's
+is fusion: a fused kernel runs where the earliest of its members ran, after all its inputs, which pulls the
+later member's inputs, extern kernels included, ahead of it; for a planned graph ``PlanOrder`` refuses a
+fusion across an extern kernel, so a copy, a wait or a matmul keeps its place among the ops the plan put
+around it. No CSE runs after our partitioner (AOT's
 joint-graph CSE runs before it, on the unplanned graph), so a recomputed op in the backward stays a
 separate, short-lived buffer.
 
@@ -38,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,8 +48,8 @@ import torch.fx as fx
 
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma before Inductor meets them
 
-__all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "PLANNED_CONFIG", "ReuseGuard", "compile_region",
-           "min_cut_partition", "reuse_guard_patches"]
+__all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "PLANNED_CONFIG", "PlanOrder", "ReuseGuard",
+           "compile_region", "min_cut_partition", "reuse_guard_patches"]
 
 PLAN_SAFE_CONFIG: dict[str, Any] = {
     "reorder_for_peak_memory": False,
@@ -179,6 +182,45 @@ def _announcing(code: Any, on_call: Callable[[], None]) -> Callable:
     return run
 
 
+class PlanOrder:
+    """Inductor's fusion choices (the handler it had, ``inner``) with one rule more, for a planned graph: two
+    kernels never fuse across an extern kernel (a matmul, an attention, a ``karma`` op) that runs between
+    them. A fused kernel runs where its earliest member ran, so Inductor pulls the later member's inputs
+    ahead of it, extern kernels included: a recomputed softmax fused with the softmax backward it serves put
+    the backward's S×S matmul before the recompute's, and a cpsat step (4-layer GPT with dropout, 0.6 of the
+    peak) peaked 3.8% above its plan, past the budget; with the rule, +0.2% (``bench/inductor_overhead.py``).
+    It also bounds each kernel by a run of loop ops, as ``karma_fx.fusion.outputs_held_through_runs`` counts
+    it. Every other choice is ``inner``'s."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._anchors: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def can_fuse(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+        if self.crosses_extern(scheduler, node1, node2):
+            return False
+        return self._inner.can_fuse(scheduler, node1, node2, shared_data_score)
+
+    def crosses_extern(self, scheduler: Any, node1: Any, node2: Any) -> bool:
+        """Whether an extern kernel's place in the scheduler's original order lies strictly between the
+        earliest and the latest of the two nodes' members (extern kernels never fuse, so their places stay)."""
+        import bisect
+
+        from torch._inductor.scheduler import ExternKernelSchedulerNode
+
+        anchors = self._anchors.get(scheduler)
+        if anchors is None:
+            anchors = sorted(n.min_order for n in scheduler.nodes if isinstance(n, ExternKernelSchedulerNode))
+            self._anchors[scheduler] = anchors
+        low = min(node1.min_order, node2.min_order)
+        high = max(node1.max_order, node2.max_order)
+        i = bisect.bisect_right(anchors, low)
+        return i < len(anchors) and anchors[i] < high
+
+
 PLANNED_CONFIG: dict[str, Any] = {"allow_buffer_reuse": False}
 """Inductor settings for the graphs of a plan that moves tensors. The plan frees each tensor after its last
 reader; Inductor's buffer reuse instead holds a freed buffer until a later allocation of the same size takes
@@ -215,8 +257,14 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Cal
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-        settings = {**(PLANNED_CONFIG if moves() else {}), **(COPY_SAFE_CONFIG if _offloads(graph) else {})}
-        with torch._inductor.config.patch(settings):
+        import contextlib
+
+        from torch._inductor.virtualized import V
+
+        planned = moves()
+        settings = {**(PLANNED_CONFIG if planned else {}), **(COPY_SAFE_CONFIG if _offloads(graph) else {})}
+        order = V.set_choices_handler(PlanOrder(V.choices)) if planned else contextlib.nullcontext()
+        with torch._inductor.config.patch(settings), order:
             code = compile_fx_inner(graph, inputs, **kwargs)
         return _announcing(code, on_backward) if kwargs.get("is_backward") else code
 
