@@ -256,10 +256,12 @@ def regions(options: dict | None) -> list[Region]:
 def _warn_inductor_peaks(session: Session) -> None:
     """Say, once per session, that a planned step that swaps tensors out, compiled by Inductor, may peak above
     its plan. Measured on a 4-layer d=512 GPT on a CPU (bench/inductor_overhead.py's peak table): with
-    dropout, cpsat plans (which offload dropout masks and attention inputs) peaked 7.5-11% above their plans
-    and past their budgets, their forward already 4-11 MiB per layer above the plan (cause not found); every
-    recompute-only plan measured (checkpoint, with and without dropout, and the tests' small GPTs) and every
-    plan without dropout peaked at or below its plan, and so does a plan that moves nothing."""
+    dropout, cpsat plans peaked 7.5-11% above their plans and past their budgets: Inductor wrote the
+    offloaded attention inputs in another layout than the traced one and copied each host copy into a new
+    buffer of the traced layout (the whole excess at 0.95 of the peak: host memory on a GPU, counted with the
+    device's on a CPU).
+    Every recompute-only plan measured (checkpoint, with and without dropout, and the tests' small GPTs) and
+    every plan without dropout peaked at or below its plan, and so does a plan that moves nothing."""
     if session.warned_inductor:
         return
     session.warned_inductor = True
