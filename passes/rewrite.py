@@ -129,10 +129,32 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             _stream_weight(graph, nodes, d, storage_of, op_names, forward)
         elif isinstance(d, GradToHost):
             _grad_to_host(graph, d, storage_of)
+    _record_traced_inputs(graph)
     _stable_topological_order(graph)
     graph.lint()
     joint.recompile()
     return joint, forward_offloads
+
+
+def _record_traced_inputs(graph: fx.Graph) -> None:
+    """Make Inductor give what a ``karma`` copy reads the traced layout. The host copy has its source's layout
+    and the backward was traced with the traced one; where Inductor laid the source out otherwise (an
+    offloaded ``clone`` of a transposed view came out in its input's order), the forward copied the returned
+    host tensor into a buffer of the traced layout, a CPU kernel reading the host copy while the copy engine
+    was still writing it: a 4-layer GPT's gradients were 17% off with 5 ms late copies, and each such copy was
+    2 MiB the plan never counted. So each offloaded value is realised in its traced strides where it is made
+    (``inductor_realize_to_strides``: once, not as a second copy for the offload), and each inserted node
+    carries its inputs' traced values (``eager_input_vals``), without which Inductor leaves a custom op's
+    inputs inserted by a pass free of any layout constraint."""
+    karma_ops = (torch.ops.karma.offload.default, torch.ops.karma.prefetch.default, torch.ops.karma.wait.default)
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in karma_ops:
+            continue
+        if node.target is torch.ops.karma.offload.default and isinstance(node.args[0], fx.Node):
+            node.args[0].meta["inductor_realize_to_strides"] = True
+        if "eager_input_vals" not in node.meta:
+            node.meta["eager_input_vals"] = (
+                tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args), dict(node.kwargs))
 
 
 def _running_stat_stand_ins(node: fx.Node) -> dict[fx.Node, fx.Node]:
