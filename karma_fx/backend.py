@@ -34,7 +34,7 @@ from karma_fx.config import KarmaConfig
 from karma_fx.errors import UnsupportedModelError
 from karma_fx.passes.capture import _friendly_errors
 from karma_fx.passes.partition import make_partition_fn
-from karma_fx.plan import Offload, Plan
+from karma_fx.plan import Plan
 from karma_fx.regions import Footprint
 from karma_fx.session import Region, Session, Variant, boundary_of
 
@@ -160,9 +160,6 @@ class KarmaBackend:
             region.boundary = boundary_of(step, problem)
             prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step)
             chosen["variant"] = session.decide(region, args, prepared)
-            swaps = any(isinstance(d, Offload) for d in chosen["variant"].plan.decisions)
-            if session.config.compiler == "inductor" and swaps:
-                _warn_inductor_peaks(session)
             return chosen["variant"].plan
 
         def on_done(problem: Any, done_plan: Plan, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
@@ -251,22 +248,3 @@ def regions(options: dict | None) -> list[Region]:
     if session is None or _contents.get(session) != dict(options or {}):
         return []
     return list(session.regions)
-
-
-def _warn_inductor_peaks(session: Session) -> None:
-    """Say, once per session, that a planned step that swaps tensors out, compiled by Inductor, may peak above
-    its plan. Measured on a 4-layer d=512 GPT on a CPU (bench/inductor_overhead.py's peak table): with
-    dropout, cpsat plans peaked 7.5-11% above their plans and past their budgets: Inductor wrote the
-    offloaded attention inputs in another layout than the traced one and copied each host copy into a new
-    buffer of the traced layout (the whole excess at 0.95 of the peak: host memory on a GPU, counted with the
-    device's on a CPU).
-    Every recompute-only plan measured (checkpoint, with and without dropout, and the tests' small GPTs) and
-    every plan without dropout peaked at or below its plan, and so does a plan that moves nothing."""
-    if session.warned_inductor:
-        return
-    session.warned_inductor = True
-    import warnings
-
-    warnings.warn("karma_fx: compiler='inductor' with a plan that swaps tensors out can peak above the plan's "
-                  "peak (measured up to 11% on a CPU with dropout, past the budget); use compiler='eager' "
-                  "where the budget is a hard limit", UserWarning, stacklevel=3)

@@ -144,7 +144,6 @@ class Session:
         self._own_of_last_choice = 0
         self._previous_fit = False
         self.warned_eager = False
-        self.warned_inductor = False
         self._persistent_counted = False
         """Whether ``_step_persistent`` was counted for this step (walking every parameter, buffer and gradient
         of a large model costs a millisecond: once a step, not once a call)."""

@@ -209,9 +209,7 @@ def test_planned_steps_equal_inductor(build_model, budget, strategy):
         run_steps(model, compiled, args, kwargs, schedules=schedules)
     plan = compiled.plan
     assert {type(d) for d in plan.decisions} & {Offload, Recompute}, plan.status
-    # only a plan that swaps tensors out warns that it may peak above its plan (the bench's cpsat cells)
-    warned = any("can peak above the plan" in str(w.message) for w in caught)
-    assert warned == any(isinstance(d, Offload) for d in plan.decisions)
+    assert not [w for w in caught if "karma_fx" in str(w.message)]  # a planned step compiles without warnings
     assert_measured_within_plan(model, compiled, args, kwargs)
     if any(isinstance(d, Offload) for d in plan.decisions):
         # Copies that land late, as on a GPU's side stream: Inductor must not reuse or overwrite a tensor
@@ -307,11 +305,9 @@ def test_late_copies_leave_an_attention_step_exact_and_at_its_plan():
                 set_copy_delay()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the swap warning, checked in test_planned_steps_equal_inductor
-        step("sync", 0.0)
-        loss_a, grads_a = step("sync", 0.0)
-        loss_b, grads_b = step("threads", 0.005)
+    step("sync", 0.0)
+    loss_a, grads_a = step("sync", 0.0)
+    loss_b, grads_b = step("threads", 0.005)
     assert sum(isinstance(d, Offload) for d in compiled.plan.decisions) > 10, compiled.plan.status
     assert torch.allclose(loss_a, loss_b, rtol=1e-6, atol=0)
     for (name, _), a, b in zip(model.named_parameters(), grads_a, grads_b):  # summation order may differ
@@ -427,7 +423,7 @@ def test_a_planned_step_peaks_at_its_plan(config):
             for p in model.parameters():
                 p.grad = None
     assert any(isinstance(d, Recompute) for d in compiled.plan.decisions), compiled.plan.status
-    assert not any("can peak above the plan" in str(w.message) for w in caught)  # recompute only: no warning
+    assert not [w for w in caught if "karma_fx" in str(w.message)]
     assert_measured_within_plan(model, compiled, args, kwargs, below=0.05)
 
 
