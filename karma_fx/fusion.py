@@ -29,7 +29,7 @@ between two extern kernels in one phase (``karma_fx.inductor.PlanOrder`` keeps I
 an extern kernel for a planned graph, so a kernel never spans more than a run); ``outputs_held_through_runs``
 keeps every buffer a run writes alive until the run's last op. A 4-layer d=512 GPT with dropout, on a CPU:
 checkpoint and cpsat steps peaked 16% above their plans and cpsat past the budget; with both rules, -2.3% and
-+0.2% (``bench/inductor_overhead.py``). What a run reads is not held: a fused kernel frees its inputs only
++0.2% (-4.5% once offloaded values kept their traced layout: ``bench/inductor_overhead.py``). What a run reads is not held: a fused kernel frees its inputs only
 after it ends too, but holding them would make a recompute of the run's last op need them.
 
 Fused storages are never candidates to offload or recompute (no backward op reads them); a recompute that

@@ -188,7 +188,8 @@ class PlanOrder:
     them. A fused kernel runs where its earliest member ran, so Inductor pulls the later member's inputs
     ahead of it, extern kernels included: a recomputed softmax fused with the softmax backward it serves put
     the backward's S×S matmul before the recompute's, and a cpsat step (4-layer GPT with dropout, 0.6 of the
-    peak) peaked 3.8% above its plan, past the budget; with the rule, +0.2% (``bench/inductor_overhead.py``).
+    peak) peaked 3.8% above its plan, past the budget; with the rule, +0.2%, and -4.5% once offloaded values
+    kept their traced layout (``passes/rewrite.py``; ``bench/inductor_overhead.py``).
     It also bounds each kernel by a run of loop ops, as ``karma_fx.fusion.outputs_held_through_runs`` counts
     it. Every other choice is ``inner``'s."""
 
