@@ -29,8 +29,9 @@ between two extern kernels in one phase (``karma_fx.inductor.PlanOrder`` keeps I
 an extern kernel for a planned graph, so a kernel never spans more than a run); ``outputs_held_through_runs``
 keeps every buffer a run writes alive until the run's last op. A 4-layer d=512 GPT with dropout, on a CPU:
 checkpoint and cpsat steps peaked 16% above their plans and cpsat past the budget; with both rules, -2.3% and
-+0.2% (-4.5% once offloaded values kept their traced layout: ``bench/inductor_overhead.py``). What a run reads is not held: a fused kernel frees its inputs only
-after it ends too, but holding them would make a recompute of the run's last op need them.
++0.2% (-4.5% once offloaded values kept their traced layout: ``bench/inductor_overhead.py``). What a run
+reads is not held: a fused kernel frees its inputs only after it ends too, but holding them would make a
+recompute of the run's last op need them.
 
 Fused storages are never candidates to offload or recompute (no backward op reads them); a recompute that
 rebuilds a chain rebuilds it in the backward, where Inductor fuses the chain again.
@@ -273,9 +274,9 @@ def _with_more_inputs(problem: Problem, more: dict[int, tuple[str, ...]], emptie
     return replace(problem, ops=ops, storages=storages, _index={}, _op_index={})
 
 
-def _allocated(problem: Problem, fusible: Collection[str], inlined: Collection[str]) -> Problem:
-    """``problem`` with each fused storage at 0 bytes and Inductor's ``addmm`` rewrite applied."""
-    fused = fused_storages(problem, fusible, inlined)
+def _allocated(problem: Problem, fused: frozenset[str]) -> Problem:
+    """``problem`` with each fused storage (``fused``, as ``fused_storages`` returns them) at 0 bytes and
+    Inductor's ``addmm`` rewrite applied."""
     if fused:
         storages = tuple(replace(s, size_bytes=0) if s.name in fused else s for s in problem.storages)
         problem = replace(problem, storages=storages, _index={}, _op_index={})
@@ -287,7 +288,7 @@ def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collec
     of ``addmm`` rewrites run late (``delayed_matmuls``), and what a run of loop ops writes lives until the run
     ends (``outputs_held_through_runs``). Names and ops are unchanged (some ops read more), so plans made on
     it apply to the graph ``problem`` was built from."""
-    return outputs_held_through_runs(_allocated(problem, fusible, inlined), fusible)
+    return outputs_held_through_runs(_allocated(problem, fused_storages(problem, fusible, inlined)), fusible)
 
 
 def kernel_groups(problem: Problem, fused: Collection[str]) -> tuple[tuple[int, ...], ...]:
@@ -392,7 +393,7 @@ def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], i
     time as it runs the kernels (``kernel_costs``), both from the same fusion decisions. ``costs`` are those
     of the unfused ops of ``problem`` (a roofline on ``device``, or ``measured``)."""
     fused = fused_storages(problem, fusible, inlined)
-    allocated = _allocated(problem, fusible, inlined)
+    allocated = _allocated(problem, fused)
     # costed before the runs' held outputs are added as reads: a kernel reads its inputs, not those
     timed = kernel_costs(allocated, costs, fused, device, measured=measured)
     return outputs_held_through_runs(allocated, fusible), timed

@@ -39,6 +39,7 @@ Example::
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import weakref
 from typing import Any, Callable, Sequence
@@ -208,12 +209,10 @@ class PlanOrder:
     def crosses_extern(self, scheduler: Any, node1: Any, node2: Any) -> bool:
         """Whether an extern kernel's place in the scheduler's original order lies strictly between the
         earliest and the latest of the two nodes' members (extern kernels never fuse, so their places stay)."""
-        import bisect
-
-        from torch._inductor.scheduler import ExternKernelSchedulerNode
-
         anchors = self._anchors.get(scheduler)
-        if anchors is None:
+        if anchors is None:  # once per graph: this is asked for every candidate pair of a fusion round
+            from torch._inductor.scheduler import ExternKernelSchedulerNode
+
             anchors = sorted(n.min_order for n in scheduler.nodes if isinstance(n, ExternKernelSchedulerNode))
             self._anchors[scheduler] = anchors
         low = min(node1.min_order, node2.min_order)
