@@ -10,7 +10,7 @@ Sections (``--sections``, in this order, each row skipped once ``--deadline`` se
               feasible peak and the unplanned one), against the same steps in eager PyTorch: relative error
               of each step's loss and of the final gradients, in fp32 and bf16-mixed; and with
               ``compiler="inductor"`` against ``torch.compile(backend="inductor")``. On CUDA this runs the
-              copy streams, events, pinned host pool and ``record_stream`` for real. The measured peak
+              copy streams, events and pinned host pool for real. The measured peak
               (``torch.cuda.max_memory_allocated``) is printed beside the plan's.
 ``regime``    The regime GPUs train in: a GPT at GPT-2-medium width in bf16 autocast with fused attention.
               ``karma_fx.device.calibrate()`` measures the GPU first; at each budget, each strategy is planned
@@ -169,8 +169,8 @@ class Check:
             torch.cuda.synchronize()
             # Weights and inputs live before the step; the planner's peak counts them too.
             peak = torch.cuda.max_memory_allocated() - before + _resident_bytes(model, args, kwargs)
-            # Allocated bytes drop a swapped-out tensor when the graph does; its block is reusable only once the
-            # copy reading it is done (record_stream). Reserved bytes include that wait, and allocator rounding.
+            # Allocated bytes count a swapped-out tensor until compute has waited for its copy (the runtime holds
+            # it until then, where the plan frees it); reserved bytes add allocator rounding and fragmentation.
             reserved = torch.cuda.max_memory_reserved() - reserved_before + _resident_bytes(model, args, kwargs)
             self.kernels = (self.kernels + "; " if self.kernels else "") + f"reserved peak {format_bytes(reserved)}"
         else:

@@ -237,8 +237,8 @@ queued; the copy reads the source afterwards (a CUDA side stream, or a CPU copy 
 the extern call returned, so it may hand the source's buffer to a later kernel (``buf9 = buf2  # reuse``) or let
 the source's last reader write its result in place: either overwrites the tensor while it is being copied, and
 the backward then reads garbage (measured: a 2-layer GPT with copies 3 ms late had gradients off by 300%). With
-both off, every buffer is freed after its last reader and goes back to the allocator, which holds it until the
-copy is done (``record_stream`` on CUDA, the copy's own reference on a CPU), as the plan counts it."""
+both off, every buffer is freed after its last reader, and a source being copied stays allocated until compute
+has waited for its copy (``karma_fx.runtime`` holds it), as the plan counts it."""
 
 
 def _offloads(graph: fx.GraphModule) -> bool:

@@ -9,9 +9,20 @@ Every copy is asynchronous and ordered by events, the same way on every device:
 * ``prefetch(host, device)``: the H2D copy engine waits for that offload's event, copies into a device buffer,
   and remembers its completion event for the device tensor.
 * ``wait(t)``: compute waits for ``t``'s copy event; returns ``t`` (an alias), so a graph orders the first use
-  after the wait. On a host tensor it waits for the offload that fills it (a swap-out that must land).
+  after the wait. On a host tensor it waits for the offload that fills it (a swap-out that must land), and
+  the source that offload held is let go right there.
 
-Copy engines: on CUDA, two dedicated streams with CUDA events, pinned host buffers and ``record_stream``; on a
+Device memory a copy reads or writes is held by the compute thread, not by the copy engine: an offload's
+source until compute waits for the copy (``wait(host)``, where the plan's ``release_before`` puts it), or
+until a later copy op sees the copy done, or until the host tensor dies unwaited (then after
+``record_stream`` on CUDA, recorded that late yet still covering the copy queued before it; after blocking on
+the copy on a CPU). So a source is freed in compute order where the plan frees it. ``record_stream`` from
+the start would free it only when the caching allocator, at some later allocation, sees the copy's event
+done: on a GPU the host runs ahead of, later than the plan by an amount nobody controls. And a CPU copy
+thread that dropped the source itself would free it where neither the plan's order nor the profiler's
+allocator events (recorded per thread) see it.
+
+Copy engines: on CUDA, two dedicated streams with CUDA events and pinned host buffers; on a
 CPU, either two worker threads with futures as events (``copy_mode("threads")``: the CUDA path's ordering logic
 runs for real and copies overlap compute) or synchronous copies (``"sync"``, the default: memory is then freed
 exactly where the graph drops a tensor, which the measured-peak tests rely on).
@@ -41,7 +52,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["HostPool", "copy_mode", "host_pool", "is_host_tier", "set_copy_delay"]
+__all__ = ["HostPool", "copy_mode", "host_pool", "is_host_tier", "landed", "set_copy_delay"]
 
 COPY_MODE_ENV = "KARMA_CPU_COPIES"
 
@@ -202,23 +213,22 @@ def _worker(direction: str) -> ThreadPoolExecutor:
 
 
 def _unowned(t: torch.Tensor) -> torch.Tensor:
-    """A view of a dense CPU tensor's memory that does not keep its storage alive: what a CUDA copy engine
-    holds of a host buffer (a raw pointer). The copy workers touch host buffers through such views, so the pool
-    has only the copy events to go by, as on a GPU."""
+    """A view of a CPU tensor's memory that does not keep its storage alive: what a CUDA copy engine holds of a
+    buffer (a raw pointer). The copy workers touch every tensor through such views, so what keeps a buffer
+    from being reused is what does so on a GPU: the pool's copy events for host buffers, the compute thread's
+    hold (``_hold``) for device-side tensors."""
     import ctypes
 
-    nbytes = t.numel() * t.element_size()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+    nbytes = span * t.element_size()
     raw = torch.frombuffer((ctypes.c_byte * max(nbytes, 1)).from_address(t.data_ptr()), dtype=torch.uint8)
     return raw[:nbytes].view(t.dtype).as_strided(t.shape, t.stride())
 
 
 def _threaded_copy(direction: str, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Future:
-    """Copy ``src`` into ``dst`` on the ``direction`` worker once ``after`` (an event) is done. The device-side
-    tensor is held until the copy is done (as ``record_stream`` does on CUDA); the host buffer is not."""
-    if direction == "d2h":
-        dst = _unowned(dst)
-    else:
-        src = _unowned(src)
+    """Copy ``src`` into ``dst`` on the ``direction`` worker once ``after`` (an event) is done, holding
+    neither: the caller holds the device-side tensor until the copy is done (``_hold``)."""
+    dst, src = _unowned(dst), _unowned(src)
 
     def copy() -> None:
         if after is not None:
@@ -230,6 +240,51 @@ def _threaded_copy(direction: str, dst: torch.Tensor, src: torch.Tensor, after: 
     return _worker(direction).submit(copy)
 
 
+# ---- device memory that copies in flight read or write: held by the compute thread -------------------------
+_in_flight: dict[int, tuple[torch.Tensor, Any, Any]] = {}
+"""id(tensor that ``wait`` is called on: an offload's host tensor, a prefetch's device tensor) → (the device
+tensor its copy reads or writes, the copy's event, the CUDA copy stream or None)."""
+_in_flight_lock = threading.Lock()
+
+
+def _hold(key: torch.Tensor, device_side: torch.Tensor, event: Any, stream: Any) -> None:
+    """Keep ``device_side`` alive for the copy ``event`` until compute has waited for it (``wait(key)``), or
+    until the copy is seen done at a later copy op, or, for an offload, until its host tensor dies unwaited."""
+    with _in_flight_lock:
+        _in_flight[id(key)] = (device_side, event, stream)
+    if key is not device_side:
+        weakref.finalize(key, _host_died, id(key)).atexit = False
+
+
+def _let_go(key: torch.Tensor) -> None:
+    """Compute has waited for ``key``'s copy: drop what it held, here, in compute order."""
+    with _in_flight_lock:
+        held = _in_flight.pop(id(key), None)
+    del held
+
+
+def _let_go_of_finished() -> None:
+    """Drop what finished copies held (called by every copy op on the compute thread)."""
+    if not _in_flight:
+        return
+    with _in_flight_lock:
+        finished = [key for key, (_, event, _) in _in_flight.items() if _done(event)]
+        held = [_in_flight.pop(key) for key in finished]
+    del held
+
+
+def _host_died(key: int) -> None:
+    """An offload's host tensor died before anything waited for its copy: drop the source once that is safe."""
+    with _in_flight_lock:
+        held = _in_flight.pop(key, None)
+    if held is not None:
+        source, event, stream = held
+        if stream is not None:  # recorded this late it still covers the copy, queued on that stream before
+            source.record_stream(stream)
+        elif not _done(event):
+            _block(event)
+
+
 # ---- CUDA copy engines: side streams with events -------------------------------------------------------------
 def _side_stream(device: torch.device, which: str):
     key = (device.index if device.index is not None else torch.cuda.current_device(), which)
@@ -238,12 +293,11 @@ def _side_stream(device: torch.device, which: str):
     return _streams[key]
 
 
-def _copy_on(stream, dst: torch.Tensor, src: torch.Tensor, keep_alive: torch.Tensor):
-    """Copy ``src`` into ``dst`` on ``stream`` (already ordered after what produced ``src``); the caching
-    allocator does not reuse ``keep_alive``'s memory until the copy is done. Returns the copy's event."""
+def _copy_on(stream, dst: torch.Tensor, src: torch.Tensor):
+    """Copy ``src`` into ``dst`` on ``stream`` (already ordered after what produced ``src``); returns the
+    copy's event."""
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
-        keep_alive.record_stream(stream)
         done = torch.cuda.Event()
         done.record(stream)
     return done
@@ -252,16 +306,19 @@ def _copy_on(stream, dst: torch.Tensor, src: torch.Tensor, keep_alive: torch.Ten
 @torch.library.custom_op("karma::offload", mutates_args=())
 def offload(x: torch.Tensor) -> torch.Tensor:
     """Copy ``x`` to host memory (pinned, asynchronous on CUDA); returns the host tensor."""
+    _let_go_of_finished()
     if x.is_cuda:
         compute = torch.cuda.current_stream(x.device)
         d2h = _side_stream(x.device, "d2h")
         d2h.wait_stream(compute)
         host = host_pool.take(x, pinned=True)
-        event = _copy_on(d2h, host, x, keep_alive=x)
+        event = _copy_on(d2h, host, x)
+        _hold(host, x, event, d2h)
     else:
         host = host_pool.take(x, pinned=False)
         if _mode == "threads":
             event = _threaded_copy("d2h", host, x)
+            _hold(host, x, event, None)
         else:
             host.copy_(x)
             event = None
@@ -281,6 +338,7 @@ def _offload_fake(x: torch.Tensor) -> torch.Tensor:
 def prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a host tensor back to ``device`` (asynchronous, after its offload landed)."""
     device = torch.device(device)
+    _let_go_of_finished()
     landed = _copy_done.get(host)
     out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)  # compute stream's
     if device.type == "cuda":
@@ -289,7 +347,7 @@ def prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         h2d.wait_stream(compute)
         if landed is not None:
             h2d.wait_event(landed)
-        event = _copy_on(h2d, out, host, keep_alive=out)
+        event = _copy_on(h2d, out, host)
     elif _mode == "threads":
         event = _threaded_copy("h2d", out, host, after=landed)
     else:
@@ -297,6 +355,7 @@ def prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
             _block(landed)
         return out.copy_(host)
     _copy_done[out] = event
+    _hold(out, out, event, None)
     host_pool.touch(host, event)  # the buffer is read until this copy is done
     return out
 
@@ -306,12 +365,24 @@ def _prefetch_fake(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
+def landed(t: torch.Tensor) -> torch.Tensor:
+    """Block the calling thread until the copy that fills host tensor ``t`` (an ``offload`` output) has landed;
+    returns ``t``. For host code that reads a host copy, such as the host optimizer reading a gradient sent
+    to the host: ``wait`` orders compute after the copy, not the host thread (on CUDA it only makes the compute
+    stream wait), and reading a pinned buffer that a copy is still filling gives garbage, silently."""
+    event = _copy_done.get(t)
+    if event is not None:
+        _block(event)
+    return t
+
+
 _lib = torch.library.Library("karma", "FRAGMENT")
 _lib.define("wait(Tensor(a) t) -> Tensor(a)")
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     """Make compute wait for the copy that produced ``t``; returns ``t`` (an alias)."""
+    _let_go_of_finished()
     event = _copy_done.get(t)
     if event is not None:
         if t.is_cuda:
@@ -320,7 +391,11 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
             event.result()
         else:  # a CUDA event of an offload, waited on from the host tensor: a swap-out that must land
             torch.cuda.current_stream().wait_event(event)
-    return torch.ops.aten.alias(t)
+        _let_go(t)
+    out = torch.ops.aten.alias(t)
+    if t in _host_tier:  # a waited swap-out is still the host tier (what is measured as device memory asks)
+        _host_tier[out] = True
+    return out
 
 
 _lib.impl("wait", _wait, "CompositeExplicitAutograd")

@@ -119,3 +119,34 @@ def test_worker_thread_copies_train_exactly_as_eager():
         finally:
             set_copy_delay()
     assert step.plan.offloads
+
+
+def test_the_compute_thread_holds_a_swapped_out_source_until_it_waits_for_the_copy():
+    """The source of a slow offload outlives the graph's reference to it (the copy still reads it) and goes
+    exactly at ``wait(host)``, on the calling thread; unwaited, it goes when its host tensor dies, once the
+    copy is done."""
+    import weakref
+
+    from karma_fx.runtime import copy_mode, set_copy_delay
+
+    with copy_mode("threads"):
+        set_copy_delay(d2h_s=0.05)
+        try:
+            x = torch.randn(64, 64)
+            want = x.clone()
+            source = weakref.ref(x)
+            host = torch.ops.karma.offload(x)
+            del x
+            assert source() is not None, "the copy is still reading it"
+            waited = torch.ops.karma.wait(host)
+            assert source() is None, "waited for: let go right there"
+            assert torch.equal(waited, want) and is_host_tier(waited)
+
+            y = torch.randn(32, 32)
+            source = weakref.ref(y)
+            host = torch.ops.karma.offload(y)
+            done = host_pool._copies[host.untyped_storage().data_ptr()][0]
+            del y, host  # the copy has 50 ms to go
+            assert done.done() and source() is None, "its host tensor died unwaited: let go after the copy"
+        finally:
+            set_copy_delay()
