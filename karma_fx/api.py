@@ -20,7 +20,7 @@ from karma_fx.passes.capture import CapturedStep, capture
 from karma_fx.passes.liveness import build_problem
 from karma_fx.plan import Plan
 from karma_fx.problem import Problem
-from karma_fx.simulate import Timeline, simulate
+from karma_fx.simulate import Timeline, simulate, wait_where_copies_land
 from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
 from karma_fx.strategies.leanest import leanest_peak
 
@@ -99,6 +99,7 @@ class Prepared:
         chosen = self.strategy(strategy, offload_weights=offload_weights, time_limit_s=time_limit_s)
         t0 = time.perf_counter()
         raw = chosen(self.problem, self.costs, budget_bytes)
+        raw = raw.replace(decisions=wait_where_copies_land(self.problem, raw, self.costs))
         solve_s = time.perf_counter() - t0
         timeline = simulate(self.problem, raw, self.costs)
         plan = finalize(raw, self.problem, self.costs, timeline, self.keep, device=self.costs.device)

@@ -29,7 +29,7 @@ import itertools
 import weakref
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator
 
 from karma_fx.costs import Costs
@@ -140,6 +140,44 @@ def peak_and_makespan(problem: Problem, plan: Plan | Iterable[Decision], costs: 
     the intervals were a fifth of a replay on ResNet-1001."""
     with paused_gc():
         return _replay(problem, plan, costs, False, figures_only=True)
+
+
+def wait_where_copies_land(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) -> tuple[Decision, ...]:
+    """The plan's decisions, each offload's ``release_before`` moved to the first op that the replay starts
+    once its device→host copy has landed (or set there, where it had none), if that op is earlier than the
+    one it had and no later than its prefetch.
+
+    Why: the replay frees a swapped-out tensor when its copy lands, but a real copy engine can run late (a
+    copy thread sharing the cores, a slower link than the cost model's), and compute that runs ahead of it
+    allocates on top of a source the copy still holds: the measured peak passes the plan's. Waiting where the
+    replay already has the copy done costs nothing when copies run as modelled (the replay, schedule rows
+    included, is unchanged), and turns a late copy into a stall instead of memory over the plan. Within a run
+    of recompute items the wait goes before the next op: a copy late by more than those items can still add
+    its bytes there."""
+    decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
+    if not any(isinstance(d, Offload) for d in decisions):
+        return decisions
+    with paused_gc():
+        _check_decisions(problem, decisions)
+        static = _static(problem)
+        seq = _sequence(problem, [d for d in decisions if isinstance(d, Recompute)])
+        events = _events(problem, decisions, seq)
+        stays = _stays(problem, decisions, seq, events, static)
+        streams = _timing(problem, costs, seq, events, stays, static, intervals=False)
+    out: list[Decision] = []
+    for d in decisions:
+        if isinstance(d, Offload):
+            landed = bisect.bisect_left(streams.start_us, streams.d2h_end[id(d)])
+            if landed < len(seq.item_op):
+                op = seq.group_of[landed]
+                if seq.first_item[op] != landed:  # mid-way through a recompute chain: before the next op
+                    op += 1
+                op = max(op, problem.op_index(d.free_after) + 1)
+                latest = problem.op_index(d.prefetch_at if d.release_before is None else d.release_before)
+                if op < latest or (op == latest and d.release_before is None):
+                    d = replace(d, release_before=problem.ops[op].name)
+        out.append(d)
+    return tuple(out)
 
 
 @contextmanager
@@ -510,6 +548,7 @@ class _Streams:
     recompute_us: float
     host_events: list[tuple[float, int]]  # (time, bytes arriving on the host (+) or leaving it (-))
     makespan_us: float
+    d2h_end: dict[int, float]  # id(offload decision) → when its copy has landed
 
 
 def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, stays: _Stays, static: _Static, *,
@@ -602,7 +641,7 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                     stall_total += waited
                     stall_at_op[group_of[k]] += waited
     return _Streams(compute, d2h, h2d, start_us, stall_at_op, stall_total, recompute_total, host_events,
-                    max(t, d2h_free, h2d_free))
+                    max(t, d2h_free, h2d_free), d2h_end)
 
 
 def _blocked(compute: list[Interval], label: str, t: float, until: float) -> tuple[float, float]:

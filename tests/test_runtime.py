@@ -121,6 +121,31 @@ def test_worker_thread_copies_train_exactly_as_eager():
     assert step.plan.offloads
 
 
+def test_late_swap_outs_keep_a_step_at_its_plan():
+    """Copies 10 ms late on the copy thread: compute waits for each swap-out where the plan has it landed
+    (``release_before``) and the source is dropped on the compute thread, so the allocator-measured peak is
+    the plan's (it was twice the plan: compute ran ahead while the sources waited for their copies, and the
+    copy thread's frees were invisible to the profiler's allocator events)."""
+    import karma_fx
+    from karma_fx.measure_run import measure_step_peak
+    from karma_fx.runtime import copy_mode, set_copy_delay
+    from karma_fx.zoo import build, output_to_loss
+
+    model, args, kwargs = build("megatron_gpt", "tiny", batch=2, seq=64, layers=2, hidden=64, heads=4, vocab=128)
+    step = karma_fx.compile(model, budget=1.0, strategy="offload")  # every saved tensor swapped out
+    with copy_mode("threads"):
+        set_copy_delay(d2h_s=0.01)
+        try:
+            for _ in range(2):
+                output_to_loss(step(*args, **kwargs)).backward()
+                model.zero_grad(set_to_none=True)
+            peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
+        finally:
+            set_copy_delay()
+    assert len(step.plan.offloads) > 20 and all(d.release_before for d in step.plan.offloads)
+    assert peak <= step.plan.peak_bytes
+
+
 def test_the_compute_thread_holds_a_swapped_out_source_until_it_waits_for_the_copy():
     """The source of a slow offload outlives the graph's reference to it (the copy still reads it) and goes
     exactly at ``wait(host)``, on the calling thread; unwaited, it goes when its host tensor dies, once the

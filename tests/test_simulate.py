@@ -150,3 +150,29 @@ def test_copies_on_the_compute_thread_add_their_time():
     assert overlapped.makespan_us == 60.0 and overlapped.stall_us == 0.0
     assert blocking.makespan_us == 80.0 and blocking.stall_us == 20.0
     assert blocking.peak_bytes <= overlapped.peak_bytes
+
+
+def test_a_swap_out_is_waited_for_where_the_replay_has_it_landed():
+    """``wait_where_copies_land`` puts each offload's ``release_before`` at the first op the replay starts after
+    the copy landed: a late copy then stalls compute instead of holding memory past the plan, and the replay
+    itself does not change."""
+    from karma_fx.simulate import wait_where_copies_land
+
+    p = chain_problem()
+    costs = flat_costs(p)  # A's copy runs 10..20; `loss` starts at 20
+    for release in (None, "b2", "b1"):  # none yet, or a later one: both end up at `loss`
+        plan = (Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1", reload_before="b1",
+                        release_before=release),)
+        pinned = wait_where_copies_land(p, plan, costs)
+        assert pinned[0].release_before == "loss"
+        before, after = simulate(p, plan, costs), simulate(p, pinned, costs)
+        assert (after.peak_bytes, after.makespan_us, after.stall_us, after.memory, after.rows) == \
+            (before.peak_bytes, before.makespan_us, before.stall_us, before.memory, before.rows)
+    slow = flat_costs(p, bytes_per_us=10.0)  # lands at 110: b1 waits for its prefetch, which waits for that
+    plan = (Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1", reload_before="b1"),)
+    pinned = wait_where_copies_land(p, plan, slow)
+    assert pinned[0].release_before == "b1"
+    assert simulate(p, pinned, slow).memory == simulate(p, plan, slow).memory
+    early = (Offload("A", offload_after="f0", free_after="f1", prefetch_at="b1", reload_before="b1",
+                     release_before="loss"),)  # a wait the plan wants earlier than the landing stays
+    assert wait_where_copies_land(p, early, slow) == early

@@ -182,3 +182,31 @@ def test_greedy_fetches_on_demand_where_the_copy_backlog_would_refill_the_device
     assert again.peak_bytes <= budget and "fetched on demand" in plan.notes[0]
     offloads = [d for d in plan.decisions if isinstance(d, Offload)]
     assert offloads and all(d.prefetch_at == d.reload_before for d in offloads)
+
+
+@pytest.mark.parametrize("name, strategy", [("gpt2", "offload"), ("resnet50", "offload"), ("gpt2", "karma")])
+def test_every_swap_out_is_waited_for_where_it_lands_at_no_cost(name, strategy):
+    """A plan's offloads carry a ``release_before`` at the first op the replay starts after their copy landed
+    (none only where it lands after the prefetch), added after the strategy without changing its replay."""
+    from karma_fx.simulate import wait_where_copies_land
+
+    prep = prepared(name)
+    budget = midway(prep)
+    raw = prep.strategy(strategy)(prep.problem, prep.costs, budget)
+    plan = prep.plan(budget, strategy, raise_if_infeasible=False).plan
+    assert plan.decisions == wait_where_copies_land(prep.problem, raw, prep.costs)
+    before, after = simulate(prep.problem, raw, prep.costs), simulate(prep.problem, plan, prep.costs)
+    assert (after.peak_bytes, after.makespan_us, after.memory, after.rows) == \
+        (before.peak_bytes, before.makespan_us, before.memory, before.rows)
+    starts = {i.label: i.start_us for i in after.compute if i.kind == "op"}
+    landed = {i.label: i.end_us for i in after.d2h}
+    names = [op.name for op in prep.problem.ops]
+    offloads = [d for d in plan.decisions if isinstance(d, Offload)]
+    assert offloads
+    for d in offloads:
+        if d.release_before is None:
+            assert landed[d.tensor] > starts[d.prefetch_at]
+        else:
+            assert landed[d.tensor] <= starts[d.release_before] + 1e-6
+            earlier = names[names.index(d.release_before) - 1]
+            assert names.index(earlier) <= names.index(d.free_after) or landed[d.tensor] > starts[earlier]
