@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from karma_fx.errors import KarmaError
+from karma_fx.runtime import landed
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -163,8 +164,10 @@ class GradientPipeline:
             self.trace_events = []
         # Keep the very tensor the graph hands over (no .detach()): a host copy made by karma.offload goes back
         # to the host-buffer pool when that Python tensor dies, and a view of it would then be overwritten.
+        # A gradient sent to the host (weights out of core) may still be in flight: every read of it on the host
+        # waits for its copy first (``landed``); the bucket's host update does so on its worker, off backward.
         if slot in self._partial:
-            grad = self._partial.pop(slot) + grad
+            grad = landed(self._partial.pop(slot)) + landed(grad)
         self._expected[slot] -= 1
         if self._expected[slot] > 0:
             self._partial[slot] = grad
@@ -172,10 +175,10 @@ class GradientPipeline:
         del self._expected[slot]
         p = self.params[slot]
         if self.accumulating:
-            p.grad = grad.clone() if p.grad is None else p.grad + grad
+            p.grad = landed(grad).clone() if p.grad is None else p.grad + landed(grad)
         else:
             if p.grad is not None:  # accumulated under no_sync(): this step's update takes it in
-                grad = p.grad + grad
+                grad = p.grad + landed(grad)
                 p.grad = None
             self._add(slot, grad)
         if not self._expected:
@@ -201,7 +204,7 @@ class GradientPipeline:
         if self.group is not None:
             import torch.distributed as dist
 
-            bucket.flat = torch.cat([g.reshape(-1) for g in bucket.grads])
+            bucket.flat = torch.cat([landed(g).reshape(-1) for g in bucket.grads])
             start = time.perf_counter()
             try:
                 bucket.handle = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
@@ -215,7 +218,7 @@ class GradientPipeline:
         """Bucket ``k``'s gradients, averaged over the ranks (waits for its all-reduce)."""
         bucket = self._sent[k]
         if bucket.handle is None:
-            return bucket.grads
+            return [landed(g) for g in bucket.grads]
         start = time.perf_counter()
         try:
             bucket.handle.wait()
@@ -268,7 +271,7 @@ class GradientPipeline:
             self._sent = []
 
     def _clip_and_update(self) -> None:
-        slots, grads = [s for s, _ in self._final], [g for _, g in self._final]
+        slots, grads = [s for s, _ in self._final], [landed(g) for _, g in self._final]
         for k, bucket in enumerate(self._sent):
             slots += bucket.slots
             grads += self._reduced(k)

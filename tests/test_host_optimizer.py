@@ -57,3 +57,31 @@ def test_bad_optimizer_and_data_parallel_without_a_process_group():
         karma_fx.compile(model, budget=1.0, data_parallel=True)
     with pytest.raises(KarmaError, match="torch.optim.Optimizer"):  # refused when compiled, before any step
         karma_fx.compile(model, budget=1.0, optimizer=lambda params: "not an optimizer")
+
+
+def test_the_host_optimizer_reads_a_gradient_only_once_its_copy_landed():
+    """Weights out of core send each gradient to the host with ``karma.offload``; the host update must not
+    read the host buffer before that copy is done (5 ms late copies: parameters were 27% off after three
+    AdamW steps, and on a GPU the same read races the DMA into pinned memory)."""
+    from karma_fx.runtime import copy_mode, set_copy_delay
+
+    model, args, kwargs = build("mlp", "tiny")
+    reference = copy.deepcopy(model)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+    step = karma_fx.compile(model, budget=1.0, strategy="offload", optimizer=adamw, bucket_bytes=4096,
+                            offload_weights=True)
+    ordinary = adamw(reference.parameters())
+    with copy_mode("threads"):
+        set_copy_delay(d2h_s=0.005)
+        try:
+            for i in range(3):
+                output_to_loss(step(*args, **kwargs)).backward()
+                output_to_loss(reference(*args, **kwargs)).backward()
+                ordinary.step()
+                ordinary.zero_grad()
+            step.pipeline.wait_updates()
+        finally:
+            set_copy_delay()
+    assert any(type(d).__name__ == "GradToHost" for d in step.plan.decisions)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert ((p - q).abs().max() / q.abs().max()).item() <= 1e-6, n
