@@ -14,8 +14,8 @@ copy ops' speed measured) at ``--fraction`` of its unplanned peak, planned and t
 threads (``--copies threads``: overlapping compute, as on a GPU) or on the compute thread (``--copies sync``, the
 CPU default, which the plan then counts as stalls), and the median of ``--steps`` steady-state steps is compared
 with the plan's predicted step time. The peak is measured with synchronous copies (frees where the plan puts
-them) and checked against the budget, and with the copies as timed (a threaded copy that lags behind compute
-keeps its source alive).
+them) and checked against the budget, and with the copies as timed (compute waits for each swap-out where the
+plan has it landed, so a copy later than modelled costs a stall there, not memory).
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ width 64) on 64x64 images, batch 32. Every configuration gets a fresh model and 
 the fastest is shown too, a hint of how much other work on the machine disturbed them), then run once more
 under ``AllocatorPeak`` (torch.profiler's allocator events; weights, buffers and inputs added as what existed
 before the step; gradients are dropped before each step, so they count). Where copies run on a worker thread,
-one more step with synchronous copies gives the peak where the plan frees (the threaded peak is higher when a
-copy lags behind compute and keeps its source alive, which a busy machine makes likely).
+one more step with synchronous copies gives the peak where the plan frees (the two agree: compute waits for each
+swap-out where the plan has it landed, so a copy that lags behind costs a stall, not memory).
 
 Configurations:
 
@@ -136,7 +136,7 @@ class Point:
     fastest_ms: float = 0.0
     sync_peak_bytes: int = 0
     """Where the copies were timed on a worker thread: the peak with synchronous copies (0: not measured).
-    A copy that lags behind compute keeps its source alive, so the threaded peak can be the higher."""
+    The two agree where compute waits for each swap-out where the plan has it landed (every plan does)."""
 
 
 @dataclass(frozen=True)
