@@ -175,3 +175,36 @@ def test_the_compute_thread_holds_a_swapped_out_source_until_it_waits_for_the_co
             assert done.done() and source() is None, "its host tensor died unwaited: let go after the copy"
         finally:
             set_copy_delay()
+
+
+def test_an_unwaited_cuda_source_is_let_go_only_after_record_stream_on_its_copy_stream():
+    """The CUDA branch of the hold, driven with stand-ins (no GPU here): when the host tensor dies before any
+    wait, the source gets ``record_stream`` on the copy stream before it is dropped, so the caching allocator
+    cannot hand its block out while the queued copy may still read it; a wait lets go without it."""
+    from karma_fx import runtime
+
+    class Source:
+        def __init__(self):
+            self.recorded = []
+
+        def record_stream(self, stream):
+            self.recorded.append(stream)
+
+    class Event:
+        def query(self):
+            return False  # still copying: only the host tensor's death or a wait may let go
+
+    stream = object()
+    unwaited, waited = Source(), Source()
+    host = torch.empty(4)
+    runtime._hold(host, unwaited, Event(), stream)
+    runtime._let_go_of_finished()
+    assert unwaited.recorded == [] and id(host) in runtime._in_flight
+    del host
+    assert unwaited.recorded == [stream]
+    host = torch.empty(4)
+    runtime._hold(host, waited, Event(), stream)
+    runtime._let_go(host)
+    assert id(host) not in runtime._in_flight
+    del host
+    assert waited.recorded == []
