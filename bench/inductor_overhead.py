@@ -35,8 +35,11 @@ them (a fused group costs its kernel, ``karma_fx.fusion.kernel_costs``) and repl
 (as before). On two shared CPU cores, ``--threads 1``, measured costs: megatron_gpt nothing moved predicted
 +0% (fused kernels) against +29% (ops one by one); the measured op times themselves varied by +-20% between
 compiles there (three repeats each, other load on the machine), which bounds what any row can show. That was
-before op timing paused Python's garbage collector after an untimed pass: four compiles of a 4-layer d=512 GPT
-now predict 777-799 ms (the eager path; this bench not re-run since).
+before op timing paused Python's garbage collector after an untimed pass. 2026-12-01, ``--predict --costs
+measured --threads 1``, fused kernels against measured: the 4-layer d=512 GPT (``--models gpt-4x512``) nothing
+moved -11%, at 0.7 (27 offloads) -13%, where it was -21% / -20% before a fused kernel was costed at least its
+slowest member's work (``karma_fx.fusion.kernel_costs``); the ops one by one +14% / +12%; megatron_gpt nothing
+moved / at 0.8 +1% / +4% (was +3% / -1%).
 """
 from __future__ import annotations
 

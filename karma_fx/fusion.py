@@ -352,7 +352,10 @@ def kernel_costs(problem: Problem, costs: "Costs", fused: Collection[str],
     ops): each member's time less a launch (the 10th percentile of the step's non-zero op times, never more
     than the member's own) is its work; the kernel's work is the members' work scaled by the group's bytes over
     the bytes the members move one by one (pointwise and reduction ops are memory-bound: their time is their
-    traffic), plus one launch."""
+    traffic), but never less than its slowest member's work (the kernel still does that member's arithmetic,
+    which on a CPU core, an ``exp`` or an ``erf`` per element, outlasts its traffic), plus one launch. Without
+    that floor a 4-layer d=512 GPT under Inductor on one CPU thread was predicted 21% faster than it ran, with
+    it 11% (``bench/inductor_overhead.py --predict``); a 2-layer d=128 GPT stayed within 4%."""
     from karma_fx.device import get_device
 
     fused = frozenset(fused)
@@ -375,7 +378,7 @@ def kernel_costs(problem: Problem, costs: "Costs", fused: Collection[str],
         if measured:
             overhead = min(launch, min(unfused))
             work = [t - overhead for t in unfused]
-            kernel = overhead + math.fsum(work) * (external / moved if moved else 1.0)
+            kernel = overhead + max(max(work), math.fsum(work) * (external / moved if moved else 1.0))
         else:
             compute_s = math.fsum(problem.ops[k].flops / (spec.flops_for(problem.ops[k].dtype) * spec.efficiency)
                                   for k in group)

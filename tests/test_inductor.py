@@ -468,14 +468,15 @@ def test_a_fused_chain_costs_its_kernel_not_the_sum_of_its_ops():
         assert t / kernel == pytest.approx(u / math.fsum(unfused.op_time_us[:3]), rel=1e-12)
     assert costs.op_time_us[3:] == unfused.op_time_us[3:]
 
-    # measured: each op timed alone (10 us per MiB moved, plus a 5 us launch); the group's work scales by
-    # its bytes over the bytes the ops move one by one, plus one launch
-    times = (25.0, 35.0, 15.0, 100.0, 100.0)
-    measured = Costs(op_time_us=times, d2h_bytes_per_us=1e4, h2d_bytes_per_us=1e4, copy_latency_us=1.0,
-                     device="measured")
-    _, costs = inductor_model(problem, measured, {"mul", "add", "sum"}, {"mul", "add"}, measured=True)
+    # measured: each member's work (its time less a launch, the 10th percentile of the step's op times) scales
+    # by the group's bytes over the bytes the ops move one by one, but the kernel's work is never less than its
+    # slowest member's work; plus one launch
     moved, external = 6 * mb + 4096, 2 * mb + 4096
-    launch = 15.0  # the 10th percentile of the step's op times, never more than a member's own time
-    expected = launch + (25.0 + 35.0 + 15.0 - 3 * launch) * external / moved
-    assert math.fsum(costs.op_time_us[:3]) == pytest.approx(expected, rel=1e-12)
-    assert costs.op_time_us[3:] == times[3:]
+    for times, launch, work in (
+            ((40.0, 40.0, 40.0, 5.0, 100.0), 5.0, 105.0 * external / moved),  # an even chain: its traffic
+            ((25.0, 35.0, 15.0, 100.0, 100.0), 15.0, 20.0)):  # the add's own work outlasts the scaled traffic
+        measured = Costs(op_time_us=times, d2h_bytes_per_us=1e4, h2d_bytes_per_us=1e4, copy_latency_us=1.0,
+                         device="measured")
+        _, costs = inductor_model(problem, measured, {"mul", "add", "sum"}, {"mul", "add"}, measured=True)
+        assert math.fsum(costs.op_time_us[:3]) == pytest.approx(launch + work, rel=1e-12)
+        assert costs.op_time_us[3:] == times[3:]
