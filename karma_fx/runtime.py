@@ -18,9 +18,9 @@ until a later copy op sees the copy done, or until the host tensor dies unwaited
 ``record_stream`` on CUDA, recorded that late yet still covering the copy queued before it; after blocking on
 the copy on a CPU). So a source is freed in compute order where the plan frees it. ``record_stream`` from
 the start would free it only when the caching allocator, at some later allocation, sees the copy's event
-done: on a GPU the host runs ahead of, later than the plan by an amount nobody controls. And a CPU copy
-thread that dropped the source itself would free it where neither the plan's order nor the profiler's
-allocator events (recorded per thread) see it.
+done; the host runs ahead of the GPU, so that comes later than the plan frees it, by an amount nobody
+controls. And a CPU copy thread that dropped the source itself would free it where neither the plan's order
+nor the profiler's allocator events (recorded per thread) see it.
 
 Copy engines: on CUDA, two dedicated streams with CUDA events and pinned host buffers; on a
 CPU, either two worker threads with futures as events (``copy_mode("threads")``: the CUDA path's ordering logic
