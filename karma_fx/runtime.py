@@ -41,11 +41,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -241,17 +242,23 @@ def _threaded_copy(direction: str, dst: torch.Tensor, src: torch.Tensor, after: 
 
 
 # ---- device memory that copies in flight read or write: held by the compute thread -------------------------
-_in_flight: dict[int, tuple[torch.Tensor, Any, Any]] = {}
+_in_flight: dict[int, tuple[torch.Tensor, Any, Any, int]] = {}
 """id(tensor that ``wait`` is called on: an offload's host tensor, a prefetch's device tensor) → (the device
-tensor its copy reads or writes, the copy's event, the CUDA copy stream or None)."""
+tensor its copy reads or writes, the copy's event, the CUDA copy stream or None, a serial number)."""
+_issued: dict[Any, deque] = defaultdict(deque)
+"""Copy engine → (key, serial) of its copies in issue order. An engine finishes its copies in that order (one
+CUDA stream, one worker thread), so finished copies are found from the front, without scanning them all."""
+_serials = itertools.count()
 _in_flight_lock = threading.Lock()
 
 
-def _hold(key: torch.Tensor, device_side: torch.Tensor, event: Any, stream: Any) -> None:
+def _hold(key: torch.Tensor, device_side: torch.Tensor, event: Any, stream: Any, engine: Any) -> None:
     """Keep ``device_side`` alive for the copy ``event`` until compute has waited for it (``wait(key)``), or
     until the copy is seen done at a later copy op, or, for an offload, until its host tensor dies unwaited."""
+    serial = next(_serials)
     with _in_flight_lock:
-        _in_flight[id(key)] = (device_side, event, stream)
+        _in_flight[id(key)] = (device_side, event, stream, serial)
+        _issued[engine].append((id(key), serial))
     if key is not device_side:
         weakref.finalize(key, _host_died, id(key)).atexit = False
 
@@ -264,12 +271,19 @@ def _let_go(key: torch.Tensor) -> None:
 
 
 def _let_go_of_finished() -> None:
-    """Drop what finished copies held (called by every copy op on the compute thread)."""
-    if not _in_flight:
-        return
+    """Drop what finished copies held (called by every copy op on the compute thread): from the front of each
+    engine's copies, up to the first one still running; entries let go already are skipped."""
+    held = []
     with _in_flight_lock:
-        finished = [key for key, (_, event, _) in _in_flight.items() if _done(event)]
-        held = [_in_flight.pop(key) for key in finished]
+        for issued in _issued.values():
+            while issued:
+                key, serial = issued[0]
+                entry = _in_flight.get(key)
+                if entry is not None and entry[3] == serial:
+                    if not _done(entry[1]):
+                        break
+                    held.append(_in_flight.pop(key))
+                issued.popleft()
     del held
 
 
@@ -278,7 +292,7 @@ def _host_died(key: int) -> None:
     with _in_flight_lock:
         held = _in_flight.pop(key, None)
     if held is not None:
-        source, event, stream = held
+        source, event, stream, _ = held
         if stream is not None:  # recorded this late it still covers the copy, queued on that stream before
             source.record_stream(stream)
         elif not _done(event):
@@ -313,12 +327,12 @@ def offload(x: torch.Tensor) -> torch.Tensor:
         d2h.wait_stream(compute)
         host = host_pool.take(x, pinned=True)
         event = _copy_on(d2h, host, x)
-        _hold(host, x, event, d2h)
+        _hold(host, x, event, d2h, d2h)
     else:
         host = host_pool.take(x, pinned=False)
         if _mode == "threads":
             event = _threaded_copy("d2h", host, x)
-            _hold(host, x, event, None)
+            _hold(host, x, event, None, "d2h")
         else:
             host.copy_(x)
             event = None
@@ -348,14 +362,16 @@ def prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         if landed is not None:
             h2d.wait_event(landed)
         event = _copy_on(h2d, out, host)
+        engine: Any = h2d
     elif _mode == "threads":
         event = _threaded_copy("h2d", out, host, after=landed)
+        engine = "h2d"
     else:
         if landed is not None:
             _block(landed)
         return out.copy_(host)
     _copy_done[out] = event
-    _hold(out, out, event, None)
+    _hold(out, out, event, None, engine)
     host_pool.touch(host, event)  # the buffer is read until this copy is done
     return out
 

@@ -197,14 +197,43 @@ def test_an_unwaited_cuda_source_is_let_go_only_after_record_stream_on_its_copy_
     stream = object()
     unwaited, waited = Source(), Source()
     host = torch.empty(4)
-    runtime._hold(host, unwaited, Event(), stream)
+    runtime._hold(host, unwaited, Event(), stream, stream)
     runtime._let_go_of_finished()
     assert unwaited.recorded == [] and id(host) in runtime._in_flight
     del host
     assert unwaited.recorded == [stream]
     host = torch.empty(4)
-    runtime._hold(host, waited, Event(), stream)
+    runtime._hold(host, waited, Event(), stream, stream)
     runtime._let_go(host)
     assert id(host) not in runtime._in_flight
     del host
     assert waited.recorded == []
+
+
+def test_finished_copies_are_let_go_in_issue_order_per_engine():
+    """An engine finishes its copies in issue order, so a copy op drops what finished copies held from the
+    front of each engine's queue and stops at the first copy still running; one already let go by a wait is
+    skipped."""
+    import weakref
+
+    from karma_fx import runtime
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    tensors = [torch.empty(1) for _ in range(4)]
+    events = [Event(True), Event(False), Event(True), Event(True)]
+    alive = [weakref.ref(t) for t in tensors]
+    for t, e in zip(tensors, events):
+        runtime._hold(t, t, e, None, "test engine")
+    runtime._let_go(tensors[3])  # waited for: gone from the queue's point of view
+    del t, tensors
+    runtime._let_go_of_finished()
+    assert [a() is None for a in alive] == [True, False, False, True]  # the third waits behind the second
+    events[1].done = True
+    runtime._let_go_of_finished()
+    assert all(a() is None for a in alive) and not runtime._issued["test engine"]
