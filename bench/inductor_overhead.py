@@ -27,7 +27,8 @@ across extern kernels (``karma_fx.fusion.outputs_held_through_runs``, ``karma_fx
 cpsat, which swaps attention inputs out, +0.0% / +0.0% / -4.5% at 0.95 / 0.75 / 0.6 (was +7.5% / +13.6% /
 +23.0%, over the budget) once each offloaded value was realised in its traced layout (``passes/rewrite.py``:
 Inductor had copied host copies into that layout in the forward, 2 MiB each, while they were being written);
-offload -23.2%, an overcount. Every cell is within its budget.
+offload -23.2%: the roofline's copies are slower than this CPU's memcpy, so the plan holds each swapped-out
+source longer than it lives (with ``costs="measured"`` -2.6%, one-off). Every cell is within its budget.
 
 Predict table (``--predict``): the plan's predicted step time against the measured one, nothing moved and at
 each ``--predict-budgets`` fraction, each prediction twice from the same op times: as the plan now counts
