@@ -158,12 +158,7 @@ def wait_where_copies_land(problem: Problem, plan: Plan | Iterable[Decision], co
     if not any(isinstance(d, Offload) for d in decisions):
         return decisions
     with paused_gc():
-        _check_decisions(problem, decisions)
-        static = _static(problem)
-        seq = _sequence(problem, [d for d in decisions if isinstance(d, Recompute)])
-        events = _events(problem, decisions, seq)
-        stays = _stays(problem, decisions, seq, events, static)
-        streams = _timing(problem, costs, seq, events, stays, static, intervals=False)
+        seq, _, _, streams = _phases(problem, decisions, costs, intervals=False)
     out: list[Decision] = []
     for d in decisions:
         if isinstance(d, Offload):
@@ -197,6 +192,17 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
             figures_only: bool = False):
     """The replay, phase by phase: check the decisions, lay out the compute sequence, place each decision's
     events on it, follow every storage's stays on the device, time the three streams, count the memory."""
+    seq, events, stays, streams = _phases(problem, plan, costs, intervals=not figures_only)
+    if figures_only:
+        live = _live_bytes(seq, stays, streams)
+        return max(live, default=0), streams.makespan_us
+    return _timeline(problem, costs, seq, events, stays, streams, detail)
+
+
+def _phases(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, *, intervals: bool
+            ) -> tuple["_Sequence", "_Events", "_Stays", "_Streams"]:
+    """Phases 0-4 of the replay (everything but counting the memory), for ``_replay`` and for the questions
+    asked of the timing itself (``wait_where_copies_land``)."""
     decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
     if len(costs.op_time_us) != len(problem.ops):
         raise InvalidPlanError(f"costs describe {len(costs.op_time_us)} ops, the problem has {len(problem.ops)}")
@@ -205,11 +211,7 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
     seq = _sequence(problem, [d for d in decisions if isinstance(d, Recompute)])
     events = _events(problem, decisions, seq)
     stays = _stays(problem, decisions, seq, events, static)
-    streams = _timing(problem, costs, seq, events, stays, static, intervals=not figures_only)
-    if figures_only:
-        live = _live_bytes(seq, stays, streams)
-        return max(live, default=0), streams.makespan_us
-    return _timeline(problem, costs, seq, events, stays, streams, detail)
+    return seq, events, stays, _timing(problem, costs, seq, events, stays, static, intervals=intervals)
 
 
 def _op_at(problem: Problem, name: str, what: str) -> int:
