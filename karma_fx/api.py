@@ -90,6 +90,18 @@ class Prepared:
             return cache[fraction]
         return make_strategy(strategy, saved_set)
 
+    def judge(self, raw: Plan) -> tuple[Plan, Timeline]:
+        """A strategy's plan as it is run and reported, with its replay: each swap-out waited for where the
+        replay has it landed (``wait_where_copies_land``), and the simulator's verdict attached."""
+        raw = raw.replace(decisions=wait_where_copies_land(self.problem, raw, self.costs))
+        timeline = simulate(self.problem, raw, self.costs)
+        keep = self.keep
+        plan = raw.replace(model=self.problem.name, device=self.costs.device, peak_bytes=timeline.peak_bytes,
+                           step_time_us=round(timeline.makespan_us, 3),
+                           unlimited_step_time_us=round(keep.makespan_us, 3), unplanned_peak_bytes=keep.peak_bytes,
+                           host_peak_bytes=timeline.host_peak_bytes, schedule=timeline.rows)
+        return plan, timeline
+
     def plan(self, budget: "str | int | float | Budget", strategy: str | Strategy | None = None, *,
              raise_if_infeasible: bool = True, offload_weights: bool = False,
              time_limit_s: float | None = None) -> Planned:
@@ -99,10 +111,8 @@ class Prepared:
         chosen = self.strategy(strategy, offload_weights=offload_weights, time_limit_s=time_limit_s)
         t0 = time.perf_counter()
         raw = chosen(self.problem, self.costs, budget_bytes)
-        raw = raw.replace(decisions=wait_where_copies_land(self.problem, raw, self.costs))
         solve_s = time.perf_counter() - t0
-        timeline = simulate(self.problem, raw, self.costs)
-        plan = finalize(raw, self.problem, self.costs, timeline, self.keep, device=self.costs.device)
+        plan, timeline = self.judge(raw)
         if raise_if_infeasible and not plan.fits:
             floor = (leanest_peak(self.problem, self.costs, stream_weights=True) if offload_weights
                      else self.min_peak_bytes())
@@ -117,13 +127,6 @@ class Prepared:
                        seconds={**self.seconds, "strategy": solve_s})
 
 
-def finalize(plan: Plan, problem: Problem, costs: Costs, timeline: Timeline, keep: Timeline, *, device: str) -> Plan:
-    """Attach the simulator's verdict to a strategy's plan."""
-    return plan.replace(model=problem.name, device=device, peak_bytes=timeline.peak_bytes,
-                        step_time_us=round(timeline.makespan_us, 3),
-                        unlimited_step_time_us=round(keep.makespan_us, 3),
-                        unplanned_peak_bytes=keep.peak_bytes, host_peak_bytes=timeline.host_peak_bytes,
-                        schedule=timeline.rows)
 
 
 COST_MODELS = ("roofline", "measured")

@@ -308,13 +308,8 @@ class Session:
         return region.leanest
 
     def _variant(self, region: Region, raw: Plan) -> Variant:
-        from karma_fx.api import finalize
-        from karma_fx.simulate import simulate, wait_where_copies_land
-
         p = region.prepared
-        raw = raw.replace(decisions=wait_where_copies_land(p.problem, raw, p.costs))
-        timeline = simulate(p.problem, raw.decisions, p.costs)
-        plan = finalize(raw, p.problem, p.costs, timeline, p.keep, device=p.costs.device)
+        plan, timeline = p.judge(raw)
         return Variant(plan=plan, fp=footprint(p.problem, timeline, plan, offload_weights=self.config.offload_weights,
                                                   boundary=region.boundary))
 
