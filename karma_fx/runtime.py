@@ -386,6 +386,10 @@ def landed(t: torch.Tensor) -> torch.Tensor:
     returns ``t``. For host code that reads a host copy, such as the host optimizer reading a gradient sent
     to the host: ``wait`` orders compute after the copy, not the host thread (on CUDA it only makes the compute
     stream wait), and reading a pinned buffer that a copy is still filling gives garbage, silently."""
+    if not isinstance(t, torch.Tensor):
+        from karma_fx.errors import KarmaError
+
+        raise KarmaError(f"landed() takes a tensor (a host copy made by karma.offload), got {type(t).__name__}")
     event = _copy_done.get(t)
     if event is not None:
         _block(event)

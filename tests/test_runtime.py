@@ -257,3 +257,20 @@ def test_late_threaded_copies_of_any_layout_are_exact(make):
             assert torch.equal(torch.ops.karma.wait(host), x) and torch.equal(back, x)
         finally:
             set_copy_delay()
+
+
+def test_landed_returns_a_host_copy_once_filled_and_refuses_what_is_not_a_tensor():
+    from karma_fx.errors import KarmaError
+    from karma_fx.runtime import copy_mode, landed, set_copy_delay
+
+    x = torch.randn(16, 16)
+    with copy_mode("threads"):
+        set_copy_delay(d2h_s=0.02)
+        try:
+            host = torch.ops.karma.offload(x)
+            assert landed(host) is host and torch.equal(host, x)  # read on this thread, after the copy
+        finally:
+            set_copy_delay()
+    assert landed(x) is x  # not a copy: nothing to wait for
+    with pytest.raises(KarmaError, match="takes a tensor"):
+        landed([x])
