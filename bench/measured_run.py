@@ -28,6 +28,7 @@ import statistics
 import time
 import warnings
 
+import torch
 from tabulate import tabulate
 
 import karma_fx
@@ -117,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     if a.time:
         if a.threads:
-            import torch
-
             torch.set_num_threads(a.threads)
         rows = times(a)
         print(tabulate(rows, headers=["model", "strategy", "budget", "predicted ms", "measured ms", "error",
