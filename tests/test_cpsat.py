@@ -197,18 +197,50 @@ def test_fixed_decisions_are_timed_as_cp_sat_would(seed):
     """``Model.evaluate`` computes the earliest schedule in Python: its step time is CP-SAT's optimum with the
     decisions fixed, it says None exactly where CP-SAT finds them infeasible, and its assignment is complete
     and feasible (CP-SAT accepts it as a hint verbatim)."""
+    prep = prepared("cnn")
+    cands = candidates(prep.problem, min_bytes=1)
+    _check_timed_as_cp_sat(prep, cands, _random_choices(cands, seed), prep.unplanned_peak_bytes)
+
+
+def _random_segment_choices(cands, seed: int) -> dict:
+    """``_random_choices`` with some segments rebuilt whole, and some of what their chains read offloaded and
+    fetched back for the chain (before its own first backward read)."""
+    import random
+
+    from karma_fx.strategies.cpsat.choice import Choice
+    from karma_fx.strategies.cpsat.model import early_readers, segments_of
+
+    rng = random.Random(1000 + seed)
+    choices = _random_choices(cands, seed)
+    for seg in segments_of(cands):
+        if rng.random() < 0.3:
+            choices.update({t: Choice.segment(seg.index) for t in seg.members})
+    for c in cands:
+        early = early_readers(c)
+        if early and rng.random() < 0.5:
+            choices[c.name] = Choice.offload(c.releases[0], rng.choice(early).anchor)
+    return choices
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rebuilt_segments_are_timed_as_cp_sat_would(seed):
+    """The same agreement with segments rebuilt whole and copies fetched back early for their chains, on a
+    GPT whose attention and dropout outputs a chain cannot rebuild (it reads them, kept or fetched back)."""
+    prep = _four_layer_gpt()
+    cands = candidates(prep.problem, min_bytes=1)
+    assert any(c.segments for c in cands) and any(c.reading for c in cands)
+    _check_timed_as_cp_sat(prep, cands, _random_segment_choices(cands, seed), prep.unplanned_peak_bytes)
+
+
+def _check_timed_as_cp_sat(prep, cands, choices: dict, budget: int) -> None:
     from ortools.sat.python import cp_model
 
     from karma_fx.strategies.cpsat import Model
     from karma_fx.strategies.cpsat.exact import in_prefetch_order
     from karma_fx.strategies.cpsat.model import TIME_SCALE
 
-    prep = prepared("cnn")
-    budget = prep.unplanned_peak_bytes  # the keep plan fits: most mixes fit too
     base = [b for _, b in prep.keep.memory]
-    cands = candidates(prep.problem, min_bytes=1)
     model = Model(prep.problem, prep.costs, budget, base, cands, unit=1, floor_us=1.0)
-    choices = _random_choices(cands, seed)
     for trial in (choices, in_prefetch_order(cands, choices)):
         t, hint = model.evaluate(trial)
         fixed = model.m.Clone()
@@ -421,3 +453,53 @@ def test_an_anytime_heuristic_at_the_deadline_does_not_crowd_out_the_one_pass_on
     plan = make_strategy("cpsat", time_limit_s=1.0)(p, costs, budget)
     tl = figures_of(p, costs, plan.decisions)
     assert tl.peak_bytes <= budget and tl.makespan_us <= karma.makespan_us + 1e-6
+
+
+def test_a_checkpointed_plan_is_a_choice_of_the_model_and_it_agrees_with_the_simulator():
+    """Checkpointing's block recomputes are segments the model can choose (one chain per tensor cannot read
+    the others, dropped too), and so are blocks rebuilt from an input that was offloaded and comes back for
+    the rebuild: the model's step time for both equals the simulator's, and both plans run in it."""
+    from karma_fx.plan import Plan
+    from karma_fx.strategies.cpsat import Model
+    from karma_fx.strategies.cpsat.choice import Choice, Kind
+    from karma_fx.strategies.cpsat.exact import choices_from_plan, in_prefetch_order
+    from karma_fx.strategies.cpsat.model import early_readers
+
+    from karma_fx.strategies.base import RecomputeBuilder
+    from karma_fx.strategies.checkpoint import checkpoint_decisions
+    from karma_fx.strategies.cpsat.blocks import segments
+
+    prep = _four_layer_gpt()
+    problem, costs = prep.problem, prep.costs
+    # every block of two stretches between cut points (one layer) checkpointed
+    spans = segments(problem)
+    blocks = [(spans[k][0], spans[min(k + 1, len(spans) - 1)][1]) for k in range(0, len(spans), 2)]
+    checkpoint = Plan(strategy="checkpoint", budget_bytes=prep.unplanned_peak_bytes,
+                      decisions=tuple(checkpoint_decisions(problem, blocks, RecomputeBuilder(problem))))
+    assert sum(len(d.tensors) > 1 for d in checkpoint.decisions) >= 4
+    cands = candidates(problem, min_bytes=1)
+    base = [b for _, b in prep.keep.memory]
+    model = Model(problem, costs, prep.unplanned_peak_bytes, base, cands, unit=1)
+    choices = choices_from_plan(problem, cands, checkpoint)
+    assert sum(x.kind is Kind.SEGMENT for x in choices.values()) >= 8
+    def simulated(choices):
+        plan = Plan(strategy="test", budget_bytes=prep.unplanned_peak_bytes, decisions=model.decisions(choices))
+        return simulate(problem, plan, costs)
+
+    # the blocks become segments; what else the plan rebuilds (the head) becomes the model's nearest choice.
+    # The model counts time in 0.1 µs units, each op rounded: on ~2 µs ops that is a few tenths of a percent.
+    assert model.evaluate(choices)[0] == pytest.approx(simulated(choices).makespan_us, rel=0.005)
+    assert simulated(choices).makespan_us == pytest.approx(simulate(problem, checkpoint, costs).makespan_us, rel=0.01)
+    # now offload what the rebuilt blocks read, fetched back for their chains
+    chosen = {x.group for x in choices.values() if x.kind is Kind.SEGMENT}
+    early = {}
+    for c in cands:
+        for seg in early_readers(c):
+            if seg.index in chosen and choices.get(c.name) is None:
+                early[c.name] = Choice.offload(c.releases[0], seg.anchor)
+    assert early
+    both = in_prefetch_order(cands, {**choices, **early})
+    predicted, _ = model.evaluate(both)
+    assert predicted is not None and predicted == pytest.approx(simulated(both).makespan_us, rel=0.005)
+    waited = {d.tensor: d.reload_before for d in model.decisions(both) if isinstance(d, Offload)}
+    assert any(problem.op_index(waited[n]) < next(c for c in cands if c.name == n).first_bwd for n in early)

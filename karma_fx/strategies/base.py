@@ -149,16 +149,21 @@ def block_inputs(problem: Problem, blocks: list[tuple[int, int]]) -> set[str]:
     to 3.56 GiB; ResNet-200's from 1.382x to 1.318x."""
     saved = {s.name for s in problem.saved_activations()}
     kept: set[str] = set()
-    nf = problem.num_fwd_ops
     for _, last in blocks:
-        outs = set(problem.ops[last].outputs)
-        kept |= outs
-        if outs & saved:
-            continue
-        for o in outs:
-            for u in problem.storage(o).users:
-                if u < nf:
-                    kept |= {x for x in problem.ops[u].outputs if x in saved}
+        kept |= block_input_after(problem, last, saved)
+    return kept
+
+
+def block_input_after(problem: Problem, last: int, saved: set[str]) -> set[str]:
+    """``block_inputs`` for the one block ending at op ``last`` (``saved``: the saved activations' names)."""
+    outs = set(problem.ops[last].outputs)
+    if outs & saved:
+        return outs
+    kept = set(outs)
+    for o in outs:
+        for u in problem.storage(o).users:
+            if u < problem.num_fwd_ops:
+                kept |= {x for x in problem.ops[u].outputs if x in saved}
     return kept
 
 

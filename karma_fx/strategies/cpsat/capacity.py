@@ -16,7 +16,7 @@ from karma_fx.costs import Costs
 from karma_fx.problem import Problem
 from karma_fx.strategies.cpsat.choice import Choice
 from karma_fx.strategies.cpsat.model import (TIME_SCALE, Candidate, add_decisions_and_memory, chain_time,
-                                             deterministic_solver)
+                                             deterministic_solver, segments_of)
 
 
 def spread_evenly(points: list[int], count: int) -> list[int]:
@@ -57,8 +57,10 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     prefix = [0]
     for x in costs.op_time_us:
         prefix.append(prefix[-1] + t(x))
+    segs = [seg for seg in segments_of(cands) if seg.index in dv.seg]
     horizon = prefix[-1] + sum(t(costs.copy_time_us(c.size, "d2h")) + t(costs.copy_time_us(c.size, "h2d"))
-                               + t(chain_time(costs, c)) for c in cands) + 1
+                               + t(chain_time(costs, c)) for c in cands) \
+        + sum(t(chain_time(costs, seg)) for seg in segs) + 1
     stall = {k: m.NewIntVar(0, horizon, "") for k in sync}
     for a, b in zip(sync, sync[1:]):
         m.Add(stall[a] <= stall[b])
@@ -66,6 +68,7 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
 
     def time_at(k: int):
         recs = [t(chain_time(costs, c)) * rec[c.name] for c in cands if c.name in rec and c.first_bwd < k]
+        recs += [t(chain_time(costs, seg)) * dv.seg[seg.index] for seg in segs if seg.anchor < k]
         return prefix[k] + sum(recs) + stall[k]
 
     times = {k: time_at(k) for k in sync}
@@ -82,7 +85,8 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
                     m.Add(sum(out_terms) <= times[q] - times[a])
                 if in_terms:
                     m.Add(sum(in_terms) <= times[q] - times[a])
-    total_rec = sum(t(chain_time(costs, c)) * rec[c.name] for c in cands if c.name in rec)
+    total_rec = sum(t(chain_time(costs, c)) * rec[c.name] for c in cands if c.name in rec) \
+        + sum(t(chain_time(costs, seg)) * dv.seg[seg.index] for seg in segs)
     m.Minimize(total_rec + stall[sync[-1]])
 
     solver = deterministic_solver(time_limit_s, workers, seed)

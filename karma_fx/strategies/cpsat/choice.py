@@ -1,5 +1,5 @@
 """What the solver decides for one candidate tensor: keep it, offload it (with its release and prefetch
-positions), or recompute it.
+positions), recompute it alone, or rebuild it with the rest of its segment.
 
 A value type rather than ad-hoc tuples, so a choice is checked once where it is made (an offload without its
 positions, or prefetched before it is released, cannot exist) and read by name everywhere else.
@@ -19,6 +19,9 @@ class Kind(Enum):
     KEEP = "keep"
     OFFLOAD = "offload"
     RECOMPUTE = "recompute"
+    SEGMENT = "segment"
+    """Dropped with every other candidate of a segment and rebuilt by one chain from the segment's input
+    (checkpointing's choice): all members of a segment take it together or none does."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class Choice:
     kind: Kind
     release: int | None = None
     prefetch: int | None = None
+    group: int | None = None
+    """Which segment rebuilds the candidate (``Kind.SEGMENT`` only: a candidate may belong to several, one
+    segment per stretch of consecutive cut-point spans)."""
 
     def __post_init__(self) -> None:
         positioned = self.release is not None and self.prefetch is not None
@@ -40,10 +46,16 @@ class Choice:
                 raise ValueError(f"prefetched at op {self.prefetch} before it is released at op {self.release}")
         elif self.release is not None or self.prefetch is not None:
             raise ValueError(f"a {self.kind.value} choice has no release or prefetch position")
+        if (self.kind is Kind.SEGMENT) != (self.group is not None):
+            raise ValueError("a segment choice, and only one, names its segment")
 
     @staticmethod
     def offload(release: int, prefetch: int) -> "Choice":
         return Choice(Kind.OFFLOAD, release, prefetch)
+
+    @staticmethod
+    def segment(group: int) -> "Choice":
+        return Choice(Kind.SEGMENT, group=group)
 
 
 KEEP = Choice(Kind.KEEP)

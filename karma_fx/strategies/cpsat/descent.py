@@ -3,8 +3,9 @@
 Why: timing fixed decisions is a longest path, milliseconds in Python, while CP-SAT needs seconds to move its
 incumbent by a few tenths of a percent on a graph of 150 ops (resnet1001 tiny at 0.5: 545.4 -> 540.9 µs in
 4 s). Trying every other option of one candidate at a time (keep, recompute, each release / prefetch
-pair) and taking every change that makes the model's step faster gives CP-SAT a much better start, and often
-a plan it would not have reached at all. Deterministic: candidates and options are visited in a fixed order.
+pair; a whole segment rebuilt by its chain, or no longer) and taking every change that makes the model's step
+faster gives CP-SAT a much better start, and often a plan it would not have reached at all. Deterministic:
+candidates and options are visited in a fixed order.
 """
 from __future__ import annotations
 
@@ -22,6 +23,24 @@ def options_of(cand: Candidate, allow_offload: bool) -> list[Choice]:
     return out
 
 
+def segment_moves(model: Model, cand: Candidate, current: dict[str, Choice], allow_offload: bool) -> list[dict]:
+    """The changes of the segments that start at ``cand``: every member rebuilt by the segment's chain, or,
+    for the segment rebuilding them now, every member kept, or swapped out and fetched just in time."""
+    by_name = {c.name: c for c in model.cands}
+    out: list[dict] = []
+    for seg in cand.segments:
+        if seg.index not in model.dv.seg or seg.members[0] != cand.name:
+            continue
+        mine = Choice.segment(seg.index)
+        if current.get(cand.name, KEEP) != mine:
+            out.append({t: mine for t in seg.members})
+            continue
+        out.append({t: KEEP for t in seg.members})
+        if allow_offload:
+            out.append({t: Choice.offload(by_name[t].releases[0], by_name[t].first_bwd) for t in seg.members})
+    return out
+
+
 def descend(model: Model, choices: dict[str, Choice], *, allow_offload: bool, max_passes: int = 4,
             max_evaluations: int = 4000) -> tuple[dict[str, Choice], float | None, list | None]:
     """Improve ``choices`` one candidate at a time until a full pass changes nothing, ``max_passes`` passes,
@@ -34,7 +53,18 @@ def descend(model: Model, choices: dict[str, Choice], *, allow_offload: bool, ma
     for _ in range(max_passes):
         changed = False
         for cand in model.cands:
+            for move in segment_moves(model, cand, current, allow_offload):
+                if evaluations >= max_evaluations or progress.past_deadline():
+                    break
+                trial = in_prefetch_order(model.cands, {**current, **move})
+                t, assignment = model.evaluate(trial)
+                evaluations += 1
+                if t is not None and (best_us is None or t < best_us - 1e-9):
+                    current, best_us, hint, changed = trial, t, assignment, True
+                    break
             mine = current.get(cand.name, KEEP)
+            if mine.kind is Kind.SEGMENT:
+                continue  # one member alone cannot leave its segment
             for option in options_of(cand, allow_offload):
                 if option == mine or evaluations >= max_evaluations or progress.past_deadline():
                     continue

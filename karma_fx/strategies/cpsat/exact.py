@@ -13,8 +13,10 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.strategies.cpsat.choice import KEEP, RECOMPUTE, Choice, Kind
-from karma_fx.strategies.cpsat.model import (MEMORY_UNIT, TIME_SCALE, Candidate, add_decisions_and_memory, chain_time,
-                                             decisions_from, deterministic_solver)
+from karma_fx.strategies.cpsat.model import (MEMORY_UNIT, TIME_SCALE, Candidate, Segment, add_decisions_and_memory,
+                                             chain_time, decisions_from, deterministic_solver,
+                                             early_readers, early_reads, prefetch_slots, present_by,
+                                             segments_of)
 from karma_fx.strategies.cpsat.options import SolverOptions
 
 
@@ -34,6 +36,7 @@ class Model:
         from ortools.sat.python import cp_model
 
         self.problem, self.cands = problem, cands
+        self._slot_literals: dict[tuple[str, int | None], object] = {}
         n = len(problem.ops)
         m = self.m = cp_model.CpModel()
         self.all_vars: list = []
@@ -46,11 +49,11 @@ class Model:
         dur = [_t(x) for x in costs.op_time_us]
         d2h = {c.name: _t(costs.copy_time_us(c.size, "d2h")) for c in cands}
         h2d = {c.name: _t(costs.copy_time_us(c.size, "h2d")) for c in cands}
-        horizon = sum(dur) + 2 * sum(d2h.values()) + 2 * sum(h2d.values()) \
-            + sum(_t(chain_time(costs, c)) for c in cands) + 1
-
         dv = self.dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit,
                                                 allow_offload=costs.allow_offload)
+        segs = [seg for seg in segments_of(cands) if seg.index in dv.seg]
+        horizon = sum(dur) + 2 * sum(d2h.values()) + 2 * sum(h2d.values()) \
+            + sum(_t(chain_time(costs, c)) for c in cands) + sum(_t(chain_time(costs, seg)) for seg in segs) + 1
         self.all_vars.extend(dv.created)
         self.keep, self.rec, self.off, self.rel, self.pre = dv.keep, dv.rec, dv.off, dv.rel, dv.pre
 
@@ -62,9 +65,12 @@ class Model:
         for c in cands:
             if c.name in self.rec:
                 rec_at.setdefault(c.first_bwd, []).append(_t(chain_time(costs, c)) * self.rec[c.name])
+        for seg in segs:
+            rec_at.setdefault(seg.anchor, []).append(_t(chain_time(costs, seg)) * dv.seg[seg.index])
         for i in range(n):
             m.Add(T[i + 1] == T[i] + wait[i] + sum(rec_at.get(i, ())) + dur[i])
-        self._times = _Times(dur, d2h, h2d, {c.name: _t(chain_time(costs, c)) for c in cands}, horizon, T, wait)
+        self._times = _Times(dur, d2h, h2d, {c.name: _t(chain_time(costs, c)) for c in cands}, horizon, T, wait,
+                             {seg.index: (seg, _t(chain_time(costs, seg))) for seg in segs})
         end_d2h: dict[str, object] = {}
         prev = None
         for c in sorted(cands, key=lambda c: (c.producer, c.first_bwd, c.name)):
@@ -79,27 +85,45 @@ class Model:
             self._times.out_order.append((c, e))
         last_d2h = prev
         prev = prev_pos = None
-        for c in sorted(cands, key=lambda c: (c.first_bwd, c.name)):
+        for c, at, group in prefetch_slots(cands, set(dv.seg)):
+            # the copy back takes this place when the tensor is offloaded and, for a segment's place, that
+            # segment is chosen (it reads the tensor early); its own place otherwise
             off = self.off[c.name]
-            h = int_var(0, horizon, f"H_{c.name}")
-            pos = int_var(min(c.prefetches), c.first_bwd, f"P_{c.name}")
-            m.Add(pos == sum(p * v for p, v in self.pre[c.name].items())).OnlyEnforceIf(off)
+            if group is None:
+                act = self._slot_literal(c.name, None)
+                early = [self._slot_literal(c.name, g.index) for g in _early_in(c, dv)]
+                m.Add(act + sum(early) == off)
+            else:
+                act = self._slot_literal(c.name, group)
+                m.AddBoolAnd([off, dv.seg[group]]).OnlyEnforceIf(act)
+                m.AddBoolOr([off.Not(), dv.seg[group].Not(), act])
+            h = int_var(0, horizon, f"H_{c.name}_{group}")
+            pos = int_var(0, at, f"P_{c.name}_{group}")  # an issue position only an active place pins
+            m.Add(pos == sum(p * v for p, v in self.pre[c.name].items())).OnlyEnforceIf(act)
             if prev_pos is not None:
                 m.Add(prev_pos <= pos)
             if prev is not None:
-                m.Add(h >= prev + h2d[c.name] * off)
+                m.Add(h >= prev + h2d[c.name] * act)
             for p, v in self.pre[c.name].items():
-                m.Add(h >= T[p] + h2d[c.name]).OnlyEnforceIf(v)
-            m.Add(h >= end_d2h[c.name] + h2d[c.name]).OnlyEnforceIf(off)
-            m.Add(T[c.first_bwd] + wait[c.first_bwd] >= h).OnlyEnforceIf(off)
+                m.Add(h >= T[p] + h2d[c.name]).OnlyEnforceIf([v, act])
+            m.Add(h >= end_d2h[c.name] + h2d[c.name]).OnlyEnforceIf(act)
+            m.Add(T[at] + wait[at] >= h).OnlyEnforceIf(act)
             prev, prev_pos = h, pos
-            self._times.in_order.append((c, h, pos))
+            self._times.in_order.append((c, at, group, h, pos, act))
         self.makespan = int_var(0, horizon, "makespan")
         m.AddMaxEquality(self.makespan, [T[n]] + [v for v in (last_d2h, prev) if v is not None])
         self.floor = min(horizon, max(0, int(math.floor(floor_us * TIME_SCALE))))
         self.objective = int_var(self.floor, horizon, "objective")
         m.AddMaxEquality(self.objective, [self.makespan, m.NewConstant(self.floor)])
         m.Minimize(self.objective)
+
+    def _slot_literal(self, name: str, group: int | None):
+        """The literal of candidate ``name`` taking its copy-back place ``group`` (made once)."""
+        key = (name, group)
+        if key not in self._slot_literals:
+            self._slot_literals[key] = self.m.NewBoolVar(f"A_{name}_{group}")
+            self.all_vars.append(self._slot_literals[key])
+        return self._slot_literals[key]
 
     # ---- decisions in and out -----------------------------------------------------------------------------
     def literals(self, choices: dict[str, Choice]) -> list:
@@ -170,13 +194,25 @@ class Model:
 
 def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *,
                       allow_offload: bool = True) -> dict[str, Choice]:
-    """A heuristic plan in the model's terms (nearest release / prefetch options), to start the search from.
-    A recompute whose chain reads a moved candidate becomes an offload, or (``allow_offload`` false) a keep."""
+    """A heuristic plan in the model's terms (nearest release / prefetch options, in the model's copy-back
+    order), to start the search from. A recompute whose chain reads a moved candidate becomes an offload, or
+    (``allow_offload`` false) a keep; so does a rebuilt segment whose chain reads what is not back in time."""
     idx = problem.op_index
     offloaded = {d.tensor: d for d in plan.decisions if isinstance(d, Offload)}
     recomputed = {t for d in plan.decisions if isinstance(d, Recompute) for t in d.tensors}
+    names = {c.name for c in cands}
     out: dict[str, Choice] = {}
+    # A group the plan rebuilds together (a checkpointed block) whose candidates are exactly a segment's
+    # members takes that segment's choice: one chain per tensor could not read the others, dropped too.
+    by_members = {frozenset(seg.members): seg for seg in segments_of(cands)}
+    for d in plan.decisions:
+        if isinstance(d, Recompute) and len(d.tensors) > 1:
+            seg = by_members.get(frozenset(d.tensors) & names)
+            if seg is not None:
+                out.update({t: Choice.segment(seg.index) for t in seg.members})
     for c in cands:
+        if c.name in out:
+            continue
         if c.name in offloaded:
             d = offloaded[c.name]
             release = idx(d.release_before) if d.release_before else c.releases[-1]
@@ -185,11 +221,18 @@ def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *,
             out[c.name] = Choice.offload(r, max(p, r) if max(p, r) in c.prefetches else c.prefetches[-1])
         elif c.name in recomputed and c.chain is not None:
             out[c.name] = RECOMPUTE
+    by_name = {c.name: c for c in cands}
     for name, choice in list(out.items()):  # a chain may only read kept candidates
-        c = next(x for x in cands if x.name == name)
+        c = by_name[name]
         if choice.kind is Kind.RECOMPUTE and any(out.get(t, KEEP).kind is not Kind.KEEP for t in c.needs_kept):
             out[name] = Choice.offload(c.releases[0], c.first_bwd) if allow_offload else KEEP
-    return out
+    for seg in segments_of(cands):  # and a segment's chain only what is on the device when it runs
+        if out.get(seg.members[0], KEEP) == Choice.segment(seg.index) and not all(
+                t in by_name and present_by(by_name[t], out.get(t, KEEP), seg.anchor, seg.index)
+                for t in seg.needs_kept):
+            for t in seg.members:
+                out[t] = Choice.offload(by_name[t].releases[0], by_name[t].first_bwd) if allow_offload else KEEP
+    return in_prefetch_order(cands, out)
 
 
 def leanest_choices(cands: list[Candidate], allow_offload: bool = True) -> dict[str, Choice]:
@@ -202,36 +245,45 @@ def leanest_choices(cands: list[Candidate], allow_offload: bool = True) -> dict[
 
 def in_prefetch_order(cands: list[Candidate], choices: dict[str, Choice]) -> dict[str, Choice]:
     """``choices`` with every offload's prefetch moved later where needed to respect the exact model's issue
-    order (prefetch positions non-decreasing in first-backward-read order, a kept candidate's position no
-    lower than its earliest option). The capacity model has no such order, so its decisions were often
-    inexpressible here (resnet1001 tiny at 0.5: the exact pass then started from a heuristic at 978 µs
+    order (prefetch positions non-decreasing along ``prefetch_slots``). The capacity model has no such order,
+    so its decisions were often inexpressible here (resnet1001 tiny at 0.5: the exact pass then started from a heuristic at 978 µs
     instead of the capacity plan near 530 µs). A later prefetch never raises memory, and every candidate's
-    own first backward read is one of its options, so the result fits wherever ``choices`` did."""
+    own first backward read is one of its options, so the result fits wherever ``choices`` did, unless a
+    copy that a segment's chain waits for early would have to move past it (the model then rejects it)."""
     out = dict(choices)
     running = -1
-    for c in sorted(cands, key=lambda c: (c.first_bwd, c.name)):
+    early = early_reads(cands, choices)
+    for c, _, group in prefetch_slots(cands):
         choice = out.get(c.name, KEEP)
-        if choice.kind is Kind.OFFLOAD:
+        if choice.kind is Kind.OFFLOAD and early.get(c.name) == group:
             assert choice.prefetch is not None and choice.release is not None
             wanted = max(choice.prefetch, running)
-            prefetch = min(p for p in c.prefetches if p >= wanted)
+            prefetch = min((p for p in c.prefetches if p >= wanted), default=None)
+            if prefetch is None:
+                return out  # no place left for it: the model rejects these choices
             if prefetch != choice.prefetch:
                 out[c.name] = Choice.offload(choice.release, prefetch)
             running = prefetch
-        else:
-            running = max(running, min(c.prefetches))
     return out
+
+
+def _early_in(c: Candidate, dv) -> list:
+    """``c``'s early readers that the model offers."""
+    return [g for g in early_readers(c) if g.index in dv.seg]
 
 
 class _Times:
     """The exact model's timing data and variables, and the earliest schedule of fixed decisions."""
 
     def __init__(self, dur: list[int], d2h: dict[str, int], h2d: dict[str, int], chain: dict[str, int],
-                 horizon: int, T: list, wait: list) -> None:
+                 horizon: int, T: list, wait: list, segments: dict[int, tuple[Segment, int]]) -> None:
         self.dur, self.d2h, self.h2d, self.chain, self.horizon = dur, d2h, h2d, chain, horizon
+        self.segments = segments  # index -> (segment, its chain's time)
         self.T, self.wait = T, wait
         self.out_order: list[tuple[Candidate, object]] = []  # (candidate, its copy-out end variable), FIFO order
-        self.in_order: list[tuple[Candidate, object, object]] = []  # (candidate, copy-in end, issue position)
+        self.in_order: list[tuple] = []
+        """The copy-back places (``prefetch_slots``): (candidate, the op that waits, segment index or None,
+        copy-in end, issue position, the place's literal)."""
 
     def earliest(self, choices: dict[str, Choice]) -> tuple[int, list] | None:
         """(makespan, assignment of every timing variable) in model units, or ``None`` if a value leaves its
@@ -244,20 +296,22 @@ class _Times:
         for c, _ in self.out_order:
             if chosen(c).kind is Kind.RECOMPUTE and c.chain is not None:
                 rec_at[c.first_bwd] += self.chain[c.name]
+        for seg, time in self.segments.values():
+            if choices.get(seg.members[0], KEEP) == Choice.segment(seg.index):
+                rec_at[seg.anchor] += time
         outs_at: dict[int, list[int]] = {}  # op -> indices into out_order whose copy may start at T[op]
         for k, (c, _) in enumerate(self.out_order):
             outs_at.setdefault(c.producer + 1, []).append(k)
-        ins_at: dict[int, list[int]] = {}
-        for k, (c, _, _) in enumerate(self.in_order):
-            ins_at.setdefault(c.first_bwd, []).append(k)
+        early = early_reads([c for c, _ in self.out_order], choices)
         out_end: dict[str, int] = {}
         due: list[int] = [0] * n  # the time op i may not start before (after its wait)
         T = [0] * (n + 1)
         wait = [0] * n
         prev_out = prev_in = 0
         prev_pos = -1
-        positions: dict[str, int] = {}
-        in_end: dict[str, int] = {}
+        positions: dict[tuple[str, int | None], int] = {}
+        in_end: dict[tuple[str, int | None], int] = {}
+        active: set[tuple[str, int | None]] = set()
         next_out = next_in = 0
         for i in range(n + 1):
             while next_out < len(self.out_order) and self.out_order[next_out][0].producer + 1 <= i:
@@ -271,20 +325,23 @@ class _Times:
                 next_out += 1
             if i == n:
                 break
-            while next_in < len(self.in_order) and self.in_order[next_in][0].first_bwd <= i:
-                c, _, _ = self.in_order[next_in]
+            # copies in, in FIFO order, each once compute has reached its issue position (a tensor that is
+            # not offloaded passes its predecessor's position on)
+            while next_in < len(self.in_order):
+                c, at, group, _, _, _ = self.in_order[next_in]
                 choice = chosen(c)
-                if choice.kind is Kind.OFFLOAD:
+                if choice.kind is Kind.OFFLOAD and early.get(c.name) == group:
                     assert choice.prefetch is not None
-                    if choice.prefetch < prev_pos:
+                    if choice.prefetch < prev_pos or choice.prefetch > at:
                         return None
+                    if choice.prefetch > i:
+                        break
                     prev_pos = choice.prefetch
                     prev_in = max(prev_in + self.h2d[c.name], T[choice.prefetch] + self.h2d[c.name],
                                   out_end[c.name] + self.h2d[c.name])
-                    due[i] = max(due[i], prev_in)
-                else:
-                    prev_pos = max(prev_pos, min(c.prefetches))
-                positions[c.name], in_end[c.name] = prev_pos, prev_in
+                    due[at] = max(due[at], prev_in)
+                    active.add((c.name, group))
+                positions[(c.name, group)], in_end[(c.name, group)] = max(prev_pos, 0), prev_in
                 next_in += 1
             wait[i] = max(0, due[i] - T[i])
             T[i + 1] = T[i] + wait[i] + rec_at[i] + self.dur[i]
@@ -293,6 +350,7 @@ class _Times:
             return None
         assignment = list(zip(self.T, T)) + list(zip(self.wait, wait))
         assignment += [(e, out_end[c.name]) for c, e in self.out_order]
-        assignment += [(h, in_end[c.name]) for c, h, _ in self.in_order]
-        assignment += [(p, positions[c.name]) for c, _, p in self.in_order]
+        assignment += [(h, in_end[(c.name, g)]) for c, _, g, h, _, _ in self.in_order]
+        assignment += [(p, positions[(c.name, g)]) for c, _, g, _, p, _ in self.in_order]
+        assignment += [(a, int((c.name, g) in active)) for c, _, g, _, _, a in self.in_order]
         return makespan, assignment

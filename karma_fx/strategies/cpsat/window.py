@@ -26,7 +26,7 @@ from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
 from karma_fx.strategies.base import figures_of, reconcile, timeline_of
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
-from karma_fx.strategies.cpsat.model import Candidate
+from karma_fx.strategies.cpsat.model import Candidate, Segment, segments_of
 from karma_fx.strategies.cpsat.options import SolverOptions
 
 
@@ -56,18 +56,25 @@ def _chain_reads(problem: Problem, d: Recompute) -> set[str]:
 def window_candidates(problem: Problem, window: list[Candidate], outside: Sequence[Decision]) -> list[Candidate]:
     """The window's candidates as the pinned plan leaves them: a recompute chain may read only what the
     outside keeps on the device, and a tensor that an outside chain reads is not recomputed (it must be there
-    for that chain); a chain's reads of other window tensors stay constraints of the model."""
+    for that chain); a chain's reads of other window tensors stay constraints of the model. A segment is
+    offered only when all its members are in the window."""
     names = {c.name for c in window}
     away = set().union(*(_moved(d) for d in outside)) if outside else set()
     read_outside = set().union(*(_chain_reads(problem, d) for d in outside if isinstance(d, Recompute))) \
         if outside else set()
+    segs: dict[int, Segment] = {}
+    for seg in segments_of(window):
+        reads = {s for i in seg.chain for s in problem.ops[i].inputs}
+        if all(t in names for t in seg.members) and not (set(seg.members) & read_outside) and not reads & away:
+            segs[seg.index] = dataclasses.replace(seg, needs_kept=[t for t in seg.needs_kept if t in names])
     out = []
     for c in window:
         if c.chain is not None:
             reads = {s for i in c.chain for s in problem.ops[i].inputs}
             if reads & away or c.name in read_outside:
                 c = dataclasses.replace(c, chain=None, needs_kept=[], extends=[])
-        out.append(dataclasses.replace(c, needs_kept=[t for t in c.needs_kept if t in names]))
+        out.append(dataclasses.replace(c, needs_kept=[t for t in c.needs_kept if t in names],
+                                       segments=tuple(segs[g.index] for g in c.segments if g.index in segs)))
     return out
 
 
