@@ -232,6 +232,25 @@ def test_rebuilt_segments_are_timed_as_cp_sat_would(seed):
     _check_timed_as_cp_sat(prep, cands, _random_segment_choices(cands, seed), prep.unplanned_peak_bytes)
 
 
+def test_a_tensor_read_early_by_several_rebuilt_segments_comes_back_once_for_the_first():
+    """Every member of a stretch rebuilt alone from the stretch's input (nested segments: each chain reads
+    the input), the input offloaded: it comes back for the first chain and stays for the others, in the
+    model as in the Python timing (the model had required at most one such chain, so CP-SAT found the
+    choices infeasible that ``evaluate`` timed)."""
+    from karma_fx.strategies.cpsat.choice import Choice
+    from karma_fx.strategies.cpsat.model import early_readers
+
+    prep = _four_layer_gpt()
+    cands = candidates(prep.problem, min_bytes=1)
+    t = next(c for c in cands if len({g.members for g in early_readers(c) if len(g.members) == 1}) >= 2)
+    nested = [g for g in early_readers(t) if len(g.members) == 1]
+    members = {g.members[0] for g in nested}
+    nested = [next(g for g in nested if g.members[0] == m) for m in sorted(members)]
+    choices = {g.members[0]: Choice.segment(g.index) for g in nested}
+    choices[t.name] = Choice.offload(t.releases[0], early_readers(t)[0].anchor)
+    _check_timed_as_cp_sat(prep, cands, choices, prep.unplanned_peak_bytes)
+
+
 def _check_timed_as_cp_sat(prep, cands, choices: dict, budget: int) -> None:
     from ortools.sat.python import cp_model
 

@@ -89,14 +89,16 @@ class Model:
             # the copy back takes this place when the tensor is offloaded and, for a segment's place, that
             # segment is chosen (it reads the tensor early); its own place otherwise
             off = self.off[c.name]
+            readers = _early_in(c, dv)
             if group is None:
                 act = self._slot_literal(c.name, None)
-                early = [self._slot_literal(c.name, g.index) for g in _early_in(c, dv)]
-                m.Add(act + sum(early) == off)
+                m.Add(act + sum(self._slot_literal(c.name, g.index) for g in readers) == off)
             else:
+                # the first chosen segment that reads it early: this one, and none before it
                 act = self._slot_literal(c.name, group)
-                m.AddBoolAnd([off, dv.seg[group]]).OnlyEnforceIf(act)
-                m.AddBoolOr([off.Not(), dv.seg[group].Not(), act])
+                before = [dv.seg[g.index] for g in readers[:[g.index for g in readers].index(group)]]
+                m.AddBoolAnd([off, dv.seg[group]] + [x.Not() for x in before]).OnlyEnforceIf(act)
+                m.AddBoolOr([off.Not(), dv.seg[group].Not(), act] + before)
             h = int_var(0, horizon, f"H_{c.name}_{group}")
             pos = int_var(0, at, f"P_{c.name}_{group}")  # an issue position only an active place pins
             m.Add(pos == sum(p * v for p, v in self.pre[c.name].items())).OnlyEnforceIf(act)

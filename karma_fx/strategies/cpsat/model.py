@@ -77,10 +77,11 @@ class Candidate:
 
 
 def early_readers(t: Candidate) -> list[Segment]:
-    """The segments whose chain may read offloaded ``t`` before its own first backward read: it comes back
-    for them, prefetched by the segment's anchor (the input of a checkpointed block, a random op's output
-    inside it)."""
-    return [seg for seg in t.reading if seg.anchor in t.prefetches and seg.anchor < t.first_bwd]
+    """The segments whose chain may read offloaded ``t`` before its own first backward read, earliest
+    first: it comes back for the first of them that is chosen, prefetched by that segment's anchor (the input
+    of a checkpointed block, a random op's output inside it), and stays for the others."""
+    return sorted((seg for seg in t.reading if seg.anchor in t.prefetches and seg.anchor < t.first_bwd),
+                  key=lambda seg: (seg.anchor, seg.index))
 
 
 def prefetch_slots(cands: Sequence[Candidate],
@@ -128,9 +129,15 @@ MAX_SPAN = 4
 def _attach_segments(problem: Problem, cands: list[Candidate], graph, max_chain: int) -> None:
     """Give each candidate the segments whose one chain can rebuild all their members together: the
     recomputable candidates produced in one to ``MAX_SPAN`` consecutive stretches between cut points, less
-    the last stretch's output that the next one reads (``block_input_after``: checkpointing keeps it so that every
-    chain stays inside its block). A segment of one member is left out when that member has a chain of its
-    own (the same choice), and so is a segment with the same members as a shorter one."""
+    the last stretch's output that the next one reads (``block_input_after``: checkpointing keeps it so that
+    every chain stays inside its block). A segment of one member is left out when that member has a chain of
+    its own (the same choice), and so is a segment with the same members as a shorter one.
+
+    And, inside each stretch of several members, one *nested* segment per member: that member alone, rebuilt
+    from the stretch's input with everything in between made again and dropped as the chain goes on. Why:
+    where one rebuilt block's tensors do not fit beside what the backward holds (ResNet-50 in bf16 at a
+    quarter of its peak), a block's tensors must come back one by one, each rebuilt from the block's input,
+    at the price of running the block's first ops once per tensor."""
     spans = segments(problem)
     by_name = {c.name: c for c in cands}
     by_producer: dict[int, list[Candidate]] = {}
@@ -140,36 +147,45 @@ def _attach_segments(problem: Problem, cands: list[Candidate], graph, max_chain:
     saved = {s.name for s in problem.saved_activations()}
     outputs = [block_input_after(problem, stop, saved) for _, stop in spans]
     found: list[Segment] = []
-    seen: set[frozenset[str]] = set()
+    seen: set[tuple[frozenset[str], tuple[int, ...]]] = set()
+
+    def add(members: list[Candidate], dropped: frozenset[str]) -> None:
+        """The segment rebuilding ``members`` from what stays resident when ``dropped`` is gone."""
+        names = frozenset(c.name for c in members)
+        anchor = min(c.first_bwd for c in members)
+        try:
+            chain = recompute_ops(problem, sorted(names), ResidentAt(problem, anchor, excluding=dropped), graph)
+        except ValueError:
+            return
+        if not chain or len(chain) > max_chain or (names, chain) in seen:
+            return
+        if len(members) == 1 and chain == members[0].chain:
+            return  # the member's own chain: the same choice
+        seen.add((names, chain))
+        made = {o for i in chain for o in problem.ops[i].outputs}
+        reads = {x for i in chain for x in problem.ops[i].inputs} - made
+        ordered = tuple(sorted(names, key=lambda n: (by_name[n].producer, n)))
+        segment = Segment(len(found), ordered, anchor, chain,
+                          Recompute(tensors=ordered, ops=tuple(problem.ops[i].name for i in chain),
+                                    reload_before=problem.ops[anchor].name),
+                          temp_bytes=_chain_overshoot(problem, chain, names),
+                          needs_kept=sorted(r for r in reads if r in by_name))
+        for r in sorted(reads - set(by_name)):
+            st = problem.storage(r)
+            if not _alive_at(st, anchor):
+                segment.extends.append((r, max(st.users, default=st.producer or 0) + 1, anchor))
+        found.append(segment)
+
     for first in range(len(spans)):
         for last in range(first, min(first + MAX_SPAN, len(spans))):
             start, stop = spans[first][0], spans[last][1]
-            boundary = outputs[last]
-            members = [c for i in range(start, stop + 1) for c in by_producer.get(i, ()) if c.name not in boundary]
-            names = frozenset(c.name for c in members)
-            if not members or (len(members) == 1 and members[0].chain is not None) or names in seen:
-                continue
-            seen.add(names)
-            anchor = min(c.first_bwd for c in members)
-            try:
-                chain = recompute_ops(problem, sorted(names), ResidentAt(problem, anchor, excluding=names), graph)
-            except ValueError:
-                continue
-            if not chain or len(chain) > max_chain:
-                continue
-            made = {o for i in chain for o in problem.ops[i].outputs}
-            reads = {x for i in chain for x in problem.ops[i].inputs} - made
-            ordered = tuple(sorted(names, key=lambda n: (by_name[n].producer, n)))
-            segment = Segment(len(found), ordered, anchor, chain,
-                              Recompute(tensors=ordered, ops=tuple(problem.ops[i].name for i in chain),
-                                        reload_before=problem.ops[anchor].name),
-                              temp_bytes=_chain_overshoot(problem, chain, names),
-                              needs_kept=sorted(r for r in reads if r in by_name))
-            for r in sorted(reads - set(by_name)):
-                st = problem.storage(r)
-                if not _alive_at(st, anchor):
-                    segment.extends.append((r, max(st.users, default=st.producer or 0) + 1, anchor))
-            found.append(segment)
+            members = [c for i in range(start, stop + 1) for c in by_producer.get(i, ()) if c.name not in outputs[last]]
+            if members:
+                names = frozenset(c.name for c in members)
+                add(members, names)
+                if first == last and len(members) > 1:
+                    for c in members:
+                        add([c], names)
     for segment in found:
         for name in segment.members:
             by_name[name].segments += (segment,)
@@ -246,13 +262,14 @@ def segment_named(cand: Candidate, group: int | None) -> Segment | None:
 
 def early_reads(cands: Sequence[Candidate], choices: dict[str, Choice]) -> dict[str, int]:
     """Offloaded candidates that a chosen segment's chain reads before their own first backward read:
-    name -> that segment's index (at most one such segment is chosen per tensor)."""
+    name -> the index of the first such segment (``early_readers`` order), which it comes back for."""
     out: dict[str, int] = {}
     for c in cands:
         if choices.get(c.name, KEEP).kind is Kind.OFFLOAD:
             for seg in early_readers(c):
                 if choices.get(seg.members[0], KEEP) == Choice.segment(seg.index):
-                    out.setdefault(c.name, seg.index)
+                    out[c.name] = seg.index
+                    break
     return out
 
 
@@ -451,10 +468,6 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
     for seg in segs:
         for name in seg.needs_kept:
             reads(dv.seg[seg.index], name, seg.anchor, seg.index)
-    for c in cands:  # one early return per tensor: the segments that read it early are exclusive
-        early = [dv.seg[seg.index] for seg in early_readers(c) if seg.index in dv.seg]
-        if len(early) > 1:
-            m.Add(sum(early) <= 1)
 
     # Memory as (coefficient, literal) terms per op, kept on ``dv`` so fixed choices can be checked in Python.
     delta: list[list[tuple[int, object]]] = [[] for _ in range(len(problem.ops) + 1)]

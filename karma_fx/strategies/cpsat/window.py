@@ -1,10 +1,10 @@
 """The exact planner's refinement: the tensor-level CP-SAT model re-solved inside a window of candidates,
 everything outside pinned to the incumbent plan (a model whose size does not grow with the graph).
 
-The whole-graph model does not scale past a few hundred candidates and cannot express the grouped recomputes
-the heuristics build, so it rarely beats them there. A window can: the incumbent's decisions outside it stay
-as they are (their device bytes become the window model's base memory, measured by the simulator), and inside
-it the model chooses keep / offload (release, prefetch) / recompute per tensor, warm-started from the
+The whole-graph model does not scale past a few hundred candidates, so it rarely beats the heuristics there.
+A window can: the incumbent's decisions outside it stay as they are (their device bytes become the window
+model's base memory, measured by the simulator), and inside it the model chooses keep / offload (release,
+prefetch) / recompute per tensor or per segment wholly inside the window, warm-started from the
 incumbent's own choices (``AddHint`` with a completed assignment). A window whose incumbent choices the model
 cannot express (no hint) is skipped: without a start the model's few seconds find nothing better. The model
 times only the window's copies, so the simulator has the last word: a window's plan replaces the incumbent
