@@ -473,6 +473,20 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
     delta: list[list[tuple[int, object]]] = [[] for _ in range(len(problem.ops) + 1)]
     temps: dict[int, list[tuple[int, object]]] = {}
     up = lambda b: -(-b // unit)  # noqa: E731
+
+    def rebuilt(x, tensors: list[Candidate], at: int, extends, temp_bytes: int) -> None:
+        """Literal ``x``: ``tensors`` leave after their last forward read and a chain brings them back before
+        op ``at``; what it reads is kept alive until then (``extends``) and it rises ``temp_bytes`` above them."""
+        for c in tensors:
+            delta[c.last_fwd + 1].append((-(c.size // unit), x))
+            delta[at].append((c.size // unit, x))
+        for storage, start, stop in extends:
+            size = up(problem.storage(storage).size_bytes)
+            delta[start].append((size, x))
+            delta[stop].append((-size, x))
+        if temp_bytes:
+            temps.setdefault(at, []).append((up(temp_bytes), x))
+
     for c in cands:
         down = c.size // unit
         for r, v in dv.rel[c.name].items():
@@ -480,27 +494,9 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
         for p, v in dv.pre[c.name].items():
             delta[p].append((down, v))
         if c.name in dv.rec:
-            x = dv.rec[c.name]
-            delta[c.last_fwd + 1].append((-down, x))
-            delta[c.first_bwd].append((down, x))
-            for storage, start, stop in c.extends:
-                size = up(problem.storage(storage).size_bytes)
-                delta[start].append((size, x))
-                delta[stop].append((-size, x))
-            if c.chain_temp_bytes:
-                temps.setdefault(c.first_bwd, []).append((up(c.chain_temp_bytes), x))
+            rebuilt(dv.rec[c.name], [c], c.first_bwd, c.extends, c.chain_temp_bytes)
     for seg in segs:
-        x = dv.seg[seg.index]
-        for name in seg.members:
-            c = by_name[name]
-            delta[c.last_fwd + 1].append((-(c.size // unit), x))
-            delta[seg.anchor].append((c.size // unit, x))
-        for storage, start, stop in seg.extends:
-            size = up(problem.storage(storage).size_bytes)
-            delta[start].append((size, x))
-            delta[stop].append((-size, x))
-        if seg.temp_bytes:
-            temps.setdefault(seg.anchor, []).append((up(seg.temp_bytes), x))
+        rebuilt(dv.seg[seg.index], [by_name[name] for name in seg.members], seg.anchor, seg.extends, seg.temp_bytes)
     base = [up(b) for b in base_bytes]
     extended = [e for c in cands for e in c.extends] + [e for seg in segs for e in seg.extends]
     cap = max(base) + sum(up(c.size) for c in cands) + sum(up(problem.storage(e[0]).size_bytes) for e in extended) + 1
