@@ -16,13 +16,18 @@ class SolverOptions:
     with the LP bound. Measured (bench/compare.py, H100 spec, 0.7 to 0.25): they improved on the heuristics at
     wrn28_10 (63 candidates) and resnet50 (105), never at gpt2 (221) or bert (239), where they cost ~60 s a
     plan for nothing."""
-    seconds_per_candidate: float = 0.4
-    """The capacity model gets at most this much time per candidate (``time_limit_s`` at most, 2 s at least):
+    seconds_per_candidate: float = 0.15
+    """The capacity model gets at most this much time per candidate (``time_limit_s`` at most, 2 s at least),
+    and the exact pass half as much (``time_limit_s / 4`` at most, 1 s at least):
     a model of a dozen tensors has nothing to gain from 20 s. Measured on the tiny zoo: wrn28_10 (12
     candidates) had its best decisions after 2 s of a 10 s proof; resnet1001 at 0.5 (26) proves its optimum
     in 1.5 s with batches of one task (``model.INTERLEAVE_BATCH``). Below 5 s, the local search
     (``descent.py``) does what the longer proof did: on wrn28_10 at 0.7 it takes the capacity plan from 287
-    to 253 µs, the plan a 5 s capacity model led to."""
+    to 253 µs, the plan a 5 s capacity model led to. It was 0.4 until the models offered segments (more
+    choices, so the searches stop proving early): resnet1001 tiny at position 0.25 then took 7.8 s (capacity
+    2.8 s, exact pass 2.4 s, `bench/plan_speed.py`), above the 5 s a tiny model may take; at 0.15 it takes
+    4.5 s, its plan 5.3% over the bound instead of 3.3%. Graphs of 134 candidates or more keep the full
+    ``time_limit_s``."""
     memory_unit_bytes: int = MEMORY_UNIT
     """Granularity of the memory constraints; candidates smaller than this stay on the device."""
     good_enough_gap: float = 0.01
@@ -40,6 +45,17 @@ class SolverOptions:
     windows gained on resnet50 (403 ops) and resnet200 (1553), never on megatron_gpt (2755), where they
     cost ~25 s a plan, nor on any transformer; with them cpsat took 182 s on gpt2 with 48 layers (3545 ops)."""
 
-    def effort_s(self, n_candidates: int) -> float:
-        """The time limit of one whole-graph solve over ``n_candidates`` tensors."""
-        return min(self.time_limit_s, max(2.0, self.seconds_per_candidate * n_candidates))
+    block_seconds_per_candidate: float = 0.4
+    """The same for the model of one repeated block (``repeat.py``), solved once for a whole group of blocks,
+    which is worth more time per tensor than a tiny graph's whole model."""
+
+    def effort_s(self, n_candidates: int, per_candidate: float | None = None) -> float:
+        """The time limit of one whole-graph solve over ``n_candidates`` tensors (``per_candidate`` seconds
+        each, default ``seconds_per_candidate``)."""
+        per = self.seconds_per_candidate if per_candidate is None else per_candidate
+        return min(self.time_limit_s, max(2.0, per * n_candidates))
+
+    def exact_effort_s(self, n_candidates: int) -> float:
+        """The time limit of the exact pass, which starts from the capacity model's decisions polished by the
+        local search: a quarter of ``time_limit_s`` at most."""
+        return min(self.time_limit_s / 4, max(1.0, self.seconds_per_candidate * n_candidates / 2))

@@ -205,7 +205,8 @@ class CpSat:
             notes.append(f"solver, local search: {start_us / 1e3:.3f} -> {descended_us / 1e3:.3f} ms (predicted)")
         if progress.past_deadline():
             return best
-        result = model.solve(SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed), hint, gap_us=gap_us)
+        result = model.solve(SolverOptions(opts.exact_effort_s(len(cands)), opts.workers, opts.seed), hint,
+                             gap_us=gap_us)
         if result is None:
             notes.append("the solver found no plan in its time limit")
             return best

@@ -74,7 +74,7 @@ def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, cut
     _, _, hint = descend(model, start, allow_offload=costs.allow_offload)
     if progress.past_deadline():
         return None
-    limit = options.effort_s(len(wcands))
+    limit = options.effort_s(len(wcands), options.block_seconds_per_candidate)
     result = model.solve(SolverOptions(limit, options.workers, options.seed), hint)
     if result is None:
         return None
