@@ -267,7 +267,8 @@ class _Segments:
         from karma_fx.strategies.base import reconcile
         from karma_fx.strategies.cpsat.choice import Choice
         from karma_fx.strategies.cpsat.exact import in_prefetch_order
-        from karma_fx.strategies.cpsat.model import candidates, decisions_from, early_readers, segments_of
+        from karma_fx.strategies.cpsat.model import candidates, decisions_from
+        from karma_fx.strategies.cpsat.segments import early_readers, segments_of
 
         cands = candidates(problem, min_bytes=1)
         by_name = {c.name: c for c in cands}

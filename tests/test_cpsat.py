@@ -208,7 +208,7 @@ def _random_segment_choices(cands, seed: int) -> dict:
     import random
 
     from karma_fx.strategies.cpsat.choice import Choice
-    from karma_fx.strategies.cpsat.model import early_readers, segments_of
+    from karma_fx.strategies.cpsat.segments import early_readers, segments_of
 
     rng = random.Random(1000 + seed)
     choices = _random_choices(cands, seed)
@@ -238,7 +238,7 @@ def test_a_tensor_read_early_by_several_rebuilt_segments_comes_back_once_for_the
     model as in the Python timing (the model had required at most one such chain, so CP-SAT found the
     choices infeasible that ``evaluate`` timed)."""
     from karma_fx.strategies.cpsat.choice import Choice
-    from karma_fx.strategies.cpsat.model import early_readers
+    from karma_fx.strategies.cpsat.segments import early_readers
 
     prep = _four_layer_gpt()
     cands = candidates(prep.problem, min_bytes=1)
@@ -482,7 +482,7 @@ def test_a_checkpointed_plan_is_a_choice_of_the_model_and_it_agrees_with_the_sim
     from karma_fx.strategies.cpsat import Model
     from karma_fx.strategies.cpsat.choice import Choice, Kind
     from karma_fx.strategies.cpsat.exact import choices_from_plan, in_prefetch_order
-    from karma_fx.strategies.cpsat.model import early_readers
+    from karma_fx.strategies.cpsat.segments import early_readers
 
     from karma_fx.strategies.base import RecomputeBuilder
     from karma_fx.strategies.checkpoint import checkpoint_decisions

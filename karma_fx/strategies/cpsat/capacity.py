@@ -16,7 +16,8 @@ from karma_fx.costs import Costs
 from karma_fx.problem import Problem
 from karma_fx.strategies.cpsat.choice import Choice
 from karma_fx.strategies.cpsat.model import (TIME_SCALE, Candidate, add_decisions_and_memory, chain_time,
-                                             deterministic_solver, segments_of)
+                                             deterministic_solver)
+from karma_fx.strategies.cpsat.segments import segments_of
 
 
 def spread_evenly(points: list[int], count: int) -> list[int]:

@@ -13,10 +13,9 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.strategies.cpsat.choice import KEEP, RECOMPUTE, Choice, Kind
-from karma_fx.strategies.cpsat.model import (MEMORY_UNIT, TIME_SCALE, Candidate, Segment, add_decisions_and_memory,
-                                             chain_time, decisions_from, deterministic_solver,
-                                             early_readers, early_reads, prefetch_slots, present_by,
-                                             segments_of)
+from karma_fx.strategies.cpsat.model import (MEMORY_UNIT, TIME_SCALE, Candidate, add_decisions_and_memory,
+                                             chain_time, decisions_from, deterministic_solver, present_by)
+from karma_fx.strategies.cpsat.segments import Segment, early_readers, early_reads, prefetch_slots, segments_of
 from karma_fx.strategies.cpsat.options import SolverOptions
 
 

@@ -24,77 +24,19 @@ where interval variables with enforcement literals gave a flat bound and no plan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from karma_fx.costs import Costs
 from karma_fx.dependencies import dependency_graph, recompute_ops
 from karma_fx.plan import Decision, Offload, Recompute
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import ResidentAt, _alive_at, block_input_after, saved_gaps
-from karma_fx.strategies.cpsat.blocks import segments
+from karma_fx.strategies.base import ResidentAt, _alive_at, saved_gaps
+from karma_fx.strategies.cpsat.candidate import Candidate, Segment
 from karma_fx.strategies.cpsat.choice import KEEP, RECOMPUTE, Choice, Kind
+from karma_fx.strategies.cpsat.segments import (attach_segments, early_reads, early_readers,
+                                                segment_named, segments_of, waited_at)
 
 MEMORY_UNIT = 64 * 1024
 TIME_SCALE = 10  # model time unit: 0.1 µs
-
-
-@dataclass(eq=False)
-class Segment:
-    """The candidates of one to ``MAX_SPAN`` consecutive stretches of forward ops between cut points, and the
-    one chain that rebuilds them all from what stays resident (the segment's input, kept candidates it reads,
-    weights, outputs of random ops)."""
-
-    index: int
-    members: tuple[str, ...]
-    anchor: int
-    """The first backward read of any member: the chain runs before it, and every member is back from it."""
-    chain: tuple[int, ...]
-    decision: Recompute
-    temp_bytes: int = 0
-    """How far the chain's memory rises above its members, all back, while it runs (at the anchor)."""
-    needs_kept: list[str] = field(default_factory=list)
-    extends: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class Candidate:
-    name: str
-    size: int
-    producer: int
-    last_fwd: int
-    first_bwd: int
-    releases: list[int]
-    prefetches: list[int]
-    chain: tuple[int, ...] | None = None
-    chain_time: float = 0.0
-    chain_temp_bytes: int = 0
-    needs_kept: list[str] = field(default_factory=list)
-    extends: list[tuple[str, int, int]] = field(default_factory=list)  # (storage, from position, to position)
-    segments: tuple[Segment, ...] = ()
-    """The segments the candidate belongs to (overlapping spans: it may be rebuilt by any one of them)."""
-    reading: tuple[Segment, ...] = ()
-    """The segments whose chain reads it (it is not among their members)."""
-
-
-def early_readers(t: Candidate) -> list[Segment]:
-    """The segments whose chain may read offloaded ``t`` before its own first backward read, earliest
-    first: it comes back for the first of them that is chosen, prefetched by that segment's anchor (the input
-    of a checkpointed block, a random op's output inside it), and stays for the others."""
-    return sorted((seg for seg in t.reading if seg.anchor in t.prefetches and seg.anchor < t.first_bwd),
-                  key=lambda seg: (seg.anchor, seg.index))
-
-
-def prefetch_slots(cands: Sequence[Candidate],
-                   segments: set[int] | None = None) -> list[tuple[Candidate, int, int | None]]:
-    """The FIFO copy-in stream's places, in order: (candidate, the op that waits for the copy, the segment
-    it comes back for, or ``None`` for its own first backward read). An offloaded candidate takes exactly
-    one place: the one of the segment that reads it early, if one is chosen, else its own. Fixed places keep
-    the model linear; prefetch positions must be non-decreasing along them. ``segments``: the indices of
-    the segments a model offers (default: all)."""
-    slots = [(c, c.first_bwd, None) for c in cands]
-    slots += [(c, seg.anchor, seg.index) for c in cands for seg in early_readers(c)
-              if segments is None or seg.index in segments]
-    return sorted(slots, key=lambda e: (e[1], e[0].first_bwd, e[0].name, -1 if e[2] is None else e[2]))
 
 
 def candidates(problem: Problem, min_bytes: int = MEMORY_UNIT, choices: int = 3,
@@ -117,108 +59,8 @@ def candidates(problem: Problem, min_bytes: int = MEMORY_UNIT, choices: int = 3,
         if problem.ops[cand.producer].recomputable:
             _attach_chain(problem, cand, names, graph, max_chain)
         out.append(cand)
-    _attach_segments(problem, out, graph, max_segment_chain)
+    attach_segments(problem, out, graph, max_segment_chain)
     return out
-
-
-MAX_SPAN = 4
-"""The longest segment, in stretches between consecutive cut points. A transformer layer is two stretches
-(attention, MLP), so segments reach two layers; karma's blocks on GPT-2 span a layer."""
-
-
-def _attach_segments(problem: Problem, cands: list[Candidate], graph, max_chain: int) -> None:
-    """Give each candidate the segments whose one chain can rebuild all their members together: the
-    recomputable candidates produced in one to ``MAX_SPAN`` consecutive stretches between cut points, less
-    the last stretch's output that the next one reads (``block_input_after``: checkpointing keeps it so that
-    every chain stays inside its block). A segment of one member is left out when that member has a chain of
-    its own (the same choice), and so is a segment with the same members as a shorter one.
-
-    And, inside each stretch of several members, one *nested* segment per member: that member alone, rebuilt
-    from the stretch's input with everything in between made again and dropped as the chain goes on. Why:
-    where one rebuilt block's tensors do not fit beside what the backward holds (ResNet-50 in bf16 at a
-    quarter of its peak), a block's tensors must come back one by one, each rebuilt from the block's input,
-    at the price of running the block's first ops once per tensor."""
-    spans = segments(problem)
-    by_name = {c.name: c for c in cands}
-    by_producer: dict[int, list[Candidate]] = {}
-    for c in cands:
-        if problem.ops[c.producer].recomputable:
-            by_producer.setdefault(c.producer, []).append(c)
-    saved = {s.name for s in problem.saved_activations()}
-    outputs = [block_input_after(problem, stop, saved) for _, stop in spans]
-    found: list[Segment] = []
-    seen: set[tuple[frozenset[str], tuple[int, ...]]] = set()
-
-    def add(members: list[Candidate], dropped: frozenset[str]) -> None:
-        """The segment rebuilding ``members`` from what stays resident when ``dropped`` is gone."""
-        names = frozenset(c.name for c in members)
-        anchor = min(c.first_bwd for c in members)
-        try:
-            chain = recompute_ops(problem, sorted(names), ResidentAt(problem, anchor, excluding=dropped), graph)
-        except ValueError:
-            return
-        if not chain or len(chain) > max_chain or (names, chain) in seen:
-            return
-        if len(members) == 1 and chain == members[0].chain:
-            return  # the member's own chain: the same choice
-        seen.add((names, chain))
-        made = {o for i in chain for o in problem.ops[i].outputs}
-        reads = {x for i in chain for x in problem.ops[i].inputs} - made
-        ordered = tuple(sorted(names, key=lambda n: (by_name[n].producer, n)))
-        segment = Segment(len(found), ordered, anchor, chain,
-                          Recompute(tensors=ordered, ops=tuple(problem.ops[i].name for i in chain),
-                                    reload_before=problem.ops[anchor].name),
-                          temp_bytes=_chain_overshoot(problem, chain, names),
-                          needs_kept=sorted(r for r in reads if r in by_name))
-        for r in sorted(reads - set(by_name)):
-            st = problem.storage(r)
-            if not _alive_at(st, anchor):
-                segment.extends.append((r, max(st.users, default=st.producer or 0) + 1, anchor))
-        found.append(segment)
-
-    for first in range(len(spans)):
-        for last in range(first, min(first + MAX_SPAN, len(spans))):
-            start, stop = spans[first][0], spans[last][1]
-            members = [c for i in range(start, stop + 1) for c in by_producer.get(i, ()) if c.name not in outputs[last]]
-            if members:
-                names = frozenset(c.name for c in members)
-                add(members, names)
-                if first == last and len(members) > 1:
-                    for c in members:
-                        add([c], names)
-    for segment in found:
-        for name in segment.members:
-            by_name[name].segments += (segment,)
-        for name in segment.needs_kept:  # what the chain reads may come back for it, before its own first read
-            t = by_name[name]
-            t.reading += (segment,)
-            if t.releases[0] <= segment.anchor < t.first_bwd and segment.anchor >= problem.num_fwd_ops:
-                t.prefetches = sorted(set(t.prefetches) | {segment.anchor})
-
-
-def _chain_overshoot(problem: Problem, chain: tuple[int, ...], members: frozenset[str]) -> int:
-    """How far the chain's memory rises above all ``members`` back on the device, at its worst step: the
-    members made so far plus the other outputs still to be read by a later step of the chain (an output
-    nobody in the chain reads lives for its own step only). Counting every other output at once, as if
-    none were freed, overstated a 4-layer GPT's block rebuild by 67 KB, enough to reject checkpointing
-    plans the simulator fits."""
-    last_read: dict[str, int] = {}
-    for k, i in enumerate(chain):
-        for x in problem.ops[i].inputs:
-            last_read[x] = k
-    total = sum(problem.storage(m).size_bytes for m in members)
-    made = worst = 0
-    live: dict[str, int] = {}
-    for k, i in enumerate(chain):
-        for o in problem.ops[i].outputs:
-            size = problem.storage(o).size_bytes
-            if o in members:
-                made += size
-            else:
-                live[o] = size
-        worst = max(worst, made + sum(live.values()))
-        live = {o: b for o, b in live.items() if last_read.get(o, -1) > k}
-    return max(0, worst - total)
 
 
 def _attach_chain(problem: Problem, cand: Candidate, names: set[str], graph, max_chain: int) -> None:
@@ -244,40 +86,6 @@ def _attach_chain(problem: Problem, cand: Candidate, names: set[str], graph, max
 
 def chain_time(costs: Costs, cand: Candidate | Segment) -> float:
     return sum(costs.op_time_us[i] for i in cand.chain or ())
-
-
-def segments_of(cands: Sequence[Candidate]) -> list[Segment]:
-    """The distinct segments of ``cands``, in forward order."""
-    seen: dict[int, Segment] = {}
-    for c in cands:
-        for seg in c.segments:
-            seen.setdefault(seg.index, seg)
-    return [seen[k] for k in sorted(seen)]
-
-
-def segment_named(cand: Candidate, group: int | None) -> Segment | None:
-    """``cand``'s segment with index ``group``, if it belongs to one."""
-    return next((seg for seg in cand.segments if seg.index == group), None)
-
-
-def early_reads(cands: Sequence[Candidate], choices: dict[str, Choice]) -> dict[str, int]:
-    """Offloaded candidates that a chosen segment's chain reads before their own first backward read:
-    name -> the index of the first such segment (``early_readers`` order), which it comes back for."""
-    out: dict[str, int] = {}
-    for c in cands:
-        if choices.get(c.name, KEEP).kind is Kind.OFFLOAD:
-            for seg in early_readers(c):
-                if choices.get(seg.members[0], KEEP) == Choice.segment(seg.index):
-                    out[c.name] = seg.index
-                    break
-    return out
-
-
-def waited_at(c: Candidate, early: dict[str, int]) -> int:
-    """The op that waits for offloaded ``c``'s copy back: its first backward read, or the anchor of the
-    segment that reads it early."""
-    seg = next((g for g in early_readers(c) if g.index == early.get(c.name)), None)
-    return c.first_bwd if seg is None else seg.anchor
 
 
 def decisions_from(problem: Problem, chosen: dict[Candidate, Choice]) -> tuple[Decision, ...]:

@@ -26,7 +26,8 @@ from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
 from karma_fx.strategies.base import figures_of, reconcile, timeline_of
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
-from karma_fx.strategies.cpsat.model import Candidate, Segment, segments_of
+from karma_fx.strategies.cpsat.model import Candidate
+from karma_fx.strategies.cpsat.segments import Segment, segments_of
 from karma_fx.strategies.cpsat.options import SolverOptions
 
 
