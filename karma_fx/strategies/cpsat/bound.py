@@ -2,8 +2,9 @@
 
 Why a separate model: the CP-SAT models only choose among the options they are given (a few release and
 prefetch points, one recompute chain per tensor or per segment), so their bound holds inside that option
-space only; a heuristic outside it (a recompute chain shared by tensors of no one segment, say) can beat it. This LP is a relaxation of *every* plan the
-runtime can execute, so no plan, ours or a baseline's, can be faster than it says.
+space only; a heuristic outside it (a recompute chain shared by tensors of no one segment, say) can beat it.
+This LP is a relaxation of *every* plan the runtime can execute, so no plan, ours or a baseline's, can be
+faster than it says.
 
 The relaxation, for every saved activation ``s`` (all of them, however small):
 

@@ -26,7 +26,6 @@ def options_of(cand: Candidate, allow_offload: bool) -> list[Choice]:
 def segment_moves(model: Model, cand: Candidate, current: dict[str, Choice], allow_offload: bool) -> list[dict]:
     """The changes of the segments that start at ``cand``: every member rebuilt by the segment's chain, or,
     for the segment rebuilding them now, every member kept, or swapped out and fetched just in time."""
-    by_name = {c.name: c for c in model.cands}
     out: list[dict] = []
     for seg in cand.segments:
         if seg.index not in model.dv.seg or seg.members[0] != cand.name:
@@ -37,7 +36,8 @@ def segment_moves(model: Model, cand: Candidate, current: dict[str, Choice], all
             continue
         out.append({t: KEEP for t in seg.members})
         if allow_offload:
-            out.append({t: Choice.offload(by_name[t].releases[0], by_name[t].first_bwd) for t in seg.members})
+            members = [c for c in model.cands if c.name in seg.members]
+            out.append({c.name: Choice.offload(c.releases[0], c.first_bwd) for c in members})
     return out
 
 

@@ -247,10 +247,11 @@ def leanest_choices(cands: list[Candidate], allow_offload: bool = True) -> dict[
 def in_prefetch_order(cands: list[Candidate], choices: dict[str, Choice]) -> dict[str, Choice]:
     """``choices`` with every offload's prefetch moved later where needed to respect the exact model's issue
     order (prefetch positions non-decreasing along ``prefetch_slots``). The capacity model has no such order,
-    so its decisions were often inexpressible here (resnet1001 tiny at 0.5: the exact pass then started from a heuristic at 978 µs
-    instead of the capacity plan near 530 µs). A later prefetch never raises memory, and every candidate's
-    own first backward read is one of its options, so the result fits wherever ``choices`` did, unless a
-    copy that a segment's chain waits for early would have to move past it (the model then rejects it)."""
+    so its decisions were often inexpressible here (resnet1001 tiny at 0.5: the exact pass then started from
+    a heuristic at 978 µs instead of the capacity plan near 530 µs). A later prefetch never raises memory,
+    and every candidate's own first backward read is one of its options, so the result fits wherever
+    ``choices`` did, unless a copy that a segment's chain waits for early would have to move past it (the
+    model then rejects it)."""
     out = dict(choices)
     running = -1
     early = early_reads(cands, choices)

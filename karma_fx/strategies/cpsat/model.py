@@ -8,13 +8,12 @@ where interval variables with enforcement literals gave a flat bound and no plan
   first backward read, or offloaded: copied out after its producer, *released* (compute waits for the copy
   before position r, the device bytes are free from r), and prefetched at position p, waited for before its
   first backward read b; r and p come from short candidate lists;
-* or, with every other candidate of a *segment* (the forward ops of one to ``MAX_SPAN`` consecutive stretches
-  between cut points), it is dropped and rebuilt by one chain from the segment's input before the segment's
-  first backward read:
-  checkpointing's choice, which one-tensor chains cannot express (a chain that reads a dropped tensor would
-  have to rebuild it too). Without it the models could not reach the plans the heuristics win with at low
-  budgets (on a 2-layer GPT-2-48 layer stack at 0.7 the whole-graph model's best was 2x karma's block
-  recompute);
+* or, with every other candidate of a *segment* (``segments.py``: the forward ops of consecutive stretches
+  between cut points, or one tensor of a stretch alone), it is dropped and rebuilt by one chain from the
+  segment's input before the segment's first backward read: checkpointing's choice, which one-tensor chains
+  cannot express (a chain that reads a dropped tensor would have to rebuild it too). Without it the models
+  could not reach the plans the heuristics win with at low budgets (on a 4-layer slice of GPT-2-48 at 0.7
+  the whole-graph model's best was 2x karma's block recompute);
 * memory is exact at every position by incremental sums (it depends on where tensors leave and come back,
   never on timing), rounded to 64 KiB units with savings rounded down and usage up;
 * time is the compute stream with a wait variable at every position, plus two FIFO copy streams in the order
@@ -29,10 +28,10 @@ from karma_fx.costs import Costs
 from karma_fx.dependencies import dependency_graph, recompute_ops
 from karma_fx.plan import Decision, Offload, Recompute
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import ResidentAt, _alive_at, saved_gaps
+from karma_fx.strategies.base import ResidentAt, saved_gaps
 from karma_fx.strategies.cpsat.candidate import Candidate, Segment
 from karma_fx.strategies.cpsat.choice import KEEP, RECOMPUTE, Choice, Kind
-from karma_fx.strategies.cpsat.segments import (attach_segments, early_reads, early_readers,
+from karma_fx.strategies.cpsat.segments import (attach_segments, chain_reads, early_reads, early_readers,
                                                 segment_named, segments_of, waited_at)
 
 MEMORY_UNIT = 64 * 1024
@@ -72,16 +71,9 @@ def _attach_chain(problem: Problem, cand: Candidate, names: set[str], graph, max
         return
     if not chain or len(chain) > max_chain:
         return
-    made = {s for i in chain for s in problem.ops[i].outputs}
-    reads = {s for i in chain for s in problem.ops[i].inputs} - made
+    made, cand.needs_kept, cand.extends = chain_reads(problem, chain, b, names)
     cand.chain = chain
     cand.chain_temp_bytes = sum(problem.storage(s).size_bytes for s in made if s != cand.name)
-    cand.needs_kept = sorted(r for r in reads if r in names)
-    for r in sorted(reads - names):
-        st = problem.storage(r)
-        if not _alive_at(st, b):  # a forward-only output the chain keeps alive until b
-            last = max(st.users, default=st.producer or 0)
-            cand.extends.append((r, last + 1, b))
 
 
 def chain_time(costs: Costs, cand: Candidate | Segment) -> float:

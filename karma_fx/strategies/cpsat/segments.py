@@ -42,6 +42,21 @@ def prefetch_slots(cands: Sequence[Candidate],
     return sorted(slots, key=lambda e: (e[1], e[0].first_bwd, e[0].name, -1 if e[2] is None else e[2]))
 
 
+def chain_reads(problem: Problem, chain: tuple[int, ...], at: int,
+                candidates: set[str]) -> tuple[set[str], list[str], list[tuple[str, int, int]]]:
+    """What a recompute ``chain`` run before op ``at`` makes, and what it reads from outside itself: the
+    candidates among those reads (each must be on the device there), and the others that the unplanned step
+    has freed by ``at`` (forward-only outputs the chain keeps alive until then: (storage, from, to))."""
+    made = {o for i in chain for o in problem.ops[i].outputs}
+    reads = {x for i in chain for x in problem.ops[i].inputs} - made
+    extends = []
+    for r in sorted(reads - candidates):
+        st = problem.storage(r)
+        if not _alive_at(st, at):
+            extends.append((r, max(st.users, default=st.producer or 0) + 1, at))
+    return made, sorted(reads & candidates), extends
+
+
 MAX_SPAN = 4
 """The longest segment, in stretches between consecutive cut points. A transformer layer is two stretches
 (attention, MLP), so segments reach two layers; karma's blocks on GPT-2 span a layer."""
@@ -83,19 +98,13 @@ def attach_segments(problem: Problem, cands: list[Candidate], graph, max_chain: 
         if len(members) == 1 and chain == members[0].chain:
             return  # the member's own chain: the same choice
         seen.add((names, chain))
-        made = {o for i in chain for o in problem.ops[i].outputs}
-        reads = {x for i in chain for x in problem.ops[i].inputs} - made
+        _, needs_kept, extends = chain_reads(problem, chain, anchor, set(by_name))
         ordered = tuple(sorted(names, key=lambda n: (by_name[n].producer, n)))
-        segment = Segment(len(found), ordered, anchor, chain,
-                          Recompute(tensors=ordered, ops=tuple(problem.ops[i].name for i in chain),
-                                    reload_before=problem.ops[anchor].name),
-                          temp_bytes=_chain_overshoot(problem, chain, names),
-                          needs_kept=sorted(r for r in reads if r in by_name))
-        for r in sorted(reads - set(by_name)):
-            st = problem.storage(r)
-            if not _alive_at(st, anchor):
-                segment.extends.append((r, max(st.users, default=st.producer or 0) + 1, anchor))
-        found.append(segment)
+        found.append(Segment(len(found), ordered, anchor, chain,
+                             Recompute(tensors=ordered, ops=tuple(problem.ops[i].name for i in chain),
+                                       reload_before=problem.ops[anchor].name),
+                             temp_bytes=_chain_overshoot(problem, chain, names),
+                             needs_kept=needs_kept, extends=extends))
 
     for first in range(len(spans)):
         for last in range(first, min(first + MAX_SPAN, len(spans))):
