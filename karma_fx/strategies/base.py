@@ -5,6 +5,7 @@ and a status, and leaves the simulated figures to ``karma_fx.simulate`` so all s
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Iterable, NamedTuple, Protocol, Sequence, TypeVar, runtime_checkable
@@ -188,6 +189,24 @@ def pick_best(problem: Problem, costs: Costs, budget_bytes: int,
 def timeline_of(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] | list[Decision]) -> Timeline:
     """The simulator's figures for ``decisions`` (without the per-op schedule rows a report needs)."""
     return simulate(problem, tuple(decisions), costs, detail=False)
+
+
+def copies_landed(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] | list[Decision]) -> dict[str, int]:
+    """For each offload that never waits for its copy out (``release_before`` unset): the first op of the step
+    that starts once that copy has landed, under ``decisions`` (where the simulator frees its device bytes).
+    Waiting for the copy there frees them at the same op without stalling: the release a model with fixed
+    release points needs to express such a plan."""
+    timeline = timeline_of(problem, costs, decisions)
+    ops = [iv for iv in timeline.compute if iv.kind == "op"]
+    starts = [iv.start_us for iv in ops]
+    landed_at = {iv.label: iv.end_us for iv in timeline.d2h if iv.kind == "offload"}
+    out: dict[str, int] = {}
+    for d in decisions:
+        if isinstance(d, Offload) and d.release_before is None and d.tensor in landed_at:
+            k = bisect.bisect_left(starts, landed_at[d.tensor] - 1e-9)
+            if k < len(ops):
+                out[d.tensor] = problem.op_index(ops[k].label)
+    return out
 
 
 class Figures(NamedTuple):

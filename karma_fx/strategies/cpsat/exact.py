@@ -193,22 +193,27 @@ class Model:
                 solver.BestObjectiveBound() / TIME_SCALE)
 
 
-def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *,
-                      allow_offload: bool = True) -> dict[str, Choice]:
+def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *, allow_offload: bool = True,
+                      landed: dict[str, int] | None = None) -> dict[str, Choice]:
     """A heuristic plan in the model's terms (nearest release / prefetch options, in the model's copy-back
     order), to start the search from. A recompute whose chain reads a moved candidate becomes an offload, or
-    (``allow_offload`` false) a keep; so does a rebuilt segment whose chain reads what is not back in time."""
+    (``allow_offload`` false) a keep; so does a rebuilt segment whose chain reads what is not back in time.
+    An offload that never waits for its copy out is released where ``landed`` says it has landed
+    (``base.copies_landed``), else at its latest option."""
     idx = problem.op_index
     offloaded = {d.tensor: d for d in plan.decisions if isinstance(d, Offload)}
     recomputed = {t for d in plan.decisions if isinstance(d, Recompute) for t in d.tensors}
     names = {c.name for c in cands}
     out: dict[str, Choice] = {}
     # A group the plan rebuilds together (a checkpointed block) whose candidates are exactly a segment's
-    # members takes that segment's choice: one chain per tensor could not read the others, dropped too.
+    # members takes that segment's choice (the one with the plan's own chain, if offered:
+    # ``segments.attach_plan_choices``): one chain per tensor could not read the others, dropped too.
     by_members = {frozenset(seg.members): seg for seg in segments_of(cands)}
+    by_chain = {(frozenset(seg.members), seg.decision.ops): seg for seg in segments_of(cands)}
     for d in plan.decisions:
-        if isinstance(d, Recompute) and len(d.tensors) > 1:
-            seg = by_members.get(frozenset(d.tensors) & names)
+        if isinstance(d, Recompute):
+            members = frozenset(d.tensors) & names
+            seg = by_chain.get((members, d.ops)) or (by_members.get(members) if len(d.tensors) > 1 else None)
             if seg is not None:
                 out.update({t: Choice.segment(seg.index) for t in seg.members})
     for c in cands:
@@ -216,7 +221,7 @@ def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *,
             continue
         if c.name in offloaded:
             d = offloaded[c.name]
-            release = idx(d.release_before) if d.release_before else c.releases[-1]
+            release = idx(d.release_before) if d.release_before else (landed or {}).get(c.name, c.releases[-1])
             r = max([x for x in c.releases if x <= release], default=c.releases[0])
             p = max([x for x in c.prefetches if x <= idx(d.prefetch_at)], default=c.prefetches[0])
             out[c.name] = Choice.offload(r, max(p, r) if max(p, r) in c.prefetches else c.prefetches[-1])

@@ -31,7 +31,7 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import paused_gc
-from karma_fx.strategies.base import Strategy, figures_of, timeline_of
+from karma_fx.strategies.base import Strategy, copies_landed, figures_of, timeline_of
 from karma_fx.strategies.cpsat.bound import lower_bound_us
 from karma_fx.strategies.cpsat.capacity import solve_capacity
 from karma_fx.strategies.cpsat.descent import descend
@@ -39,6 +39,7 @@ from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, in_prefetc
 from karma_fx.strategies.cpsat.model import Candidate, candidates
 from karma_fx.strategies.cpsat.options import SolverOptions
 from karma_fx.strategies.cpsat.repeat import plan_by_blocks
+from karma_fx.strategies.cpsat.segments import attach_plan_choices
 from karma_fx.strategies.cpsat.window import refine_in_windows
 from karma_fx.strategies.leanest import leanest_decisions, leanest_moves
 
@@ -114,6 +115,11 @@ class CpSat:
                             "the solver was not run")
         cands = candidates(problem, min_bytes=opts.memory_unit_bytes)
         notes.append(f"{len(cands)} tensors large enough for the solver to decide on")
+        if best is not None:  # the best heuristic's own choices become the models', so its plan is a start
+            added = attach_plan_choices(problem, cands, best[1].decisions,
+                                        copies_landed(problem, costs, best[1].decisions))
+            if added:
+                notes.append(f"{added} groups that {best[1].strategy} rebuilds with one chain offered as choices")
         all_cands = cands
         if len(cands) > opts.max_candidates:
             notes.append(f"more than {opts.max_candidates} of them: the whole-graph solver was not run (too slow "
@@ -192,7 +198,8 @@ class CpSat:
         say("solver, exact pass", self.name)
         model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes, floor_us=proven or 0.0)
         starts = ([in_prefetch_order(cands, phase1[0])] if phase1 else []) \
-            + ([choices_from_plan(problem, cands, best[1], allow_offload=costs.allow_offload)] if best else [])
+            + ([choices_from_plan(problem, cands, best[1], allow_offload=costs.allow_offload,
+                                  landed=copies_landed(problem, costs, best[1].decisions))] if best else [])
         start, start_us = None, math.inf
         for choices in starts:
             t, _ = model.evaluate(choices)

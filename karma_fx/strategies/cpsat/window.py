@@ -24,7 +24,7 @@ from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
-from karma_fx.strategies.base import figures_of, reconcile, timeline_of
+from karma_fx.strategies.base import copies_landed, figures_of, reconcile, timeline_of
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
 from karma_fx.strategies.cpsat.model import Candidate
 from karma_fx.strategies.cpsat.segments import Segment, segments_of
@@ -102,8 +102,8 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
         base = per_op_memory(problem, timeline_of(problem, costs, outside))
         model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
         incumbent_plan = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
-        _, hint = model.evaluate(choices_from_plan(problem, wcands, incumbent_plan,
-                                                   allow_offload=costs.allow_offload))
+        _, hint = model.evaluate(choices_from_plan(problem, wcands, incumbent_plan, allow_offload=costs.allow_offload,
+                                                   landed=copies_landed(problem, costs, current)))
         label = f"window over tensors {start}-{end - 1}"
         if hint is None:
             notes.append(f"{label}: skipped, the solver cannot express the current plan there")
