@@ -567,3 +567,17 @@ def test_a_greedy_plan_maps_onto_the_model_as_it_is():
         live += base_change + sum(k * value(v) for k, v in delta)
         rows.append(max([live] + [live - fresh + k * value(v) for k, v in temps]))
     assert rows == per_op_memory(problem, mapped)
+
+
+def test_a_window_takes_whole_the_groups_the_incumbent_rebuilds_together():
+    """A window that took half of a group rebuilt by one chain would leave the other half outside and kept:
+    the window grows to whole groups (transitively), never to tensors too small to decide on."""
+    from karma_fx.strategies.cpsat.window import _whole_groups
+
+    decisions = (Recompute(tensors=("a", "b"), ops=("pa", "pb"), reload_before="x"),
+                 Recompute(tensors=("b2", "c", "tiny"), ops=("pc",), reload_before="y"),
+                 Recompute(tensors=("b", "b2"), ops=("pb",), reload_before="z"),
+                 Recompute(tensors=("d",), ops=("pd",), reload_before="w"))
+    candidates_ = {"a", "b", "b2", "c", "d", "e"}
+    assert _whole_groups(decisions, {"a", "e"}, candidates_) == {"a", "b", "b2", "c", "e"}
+    assert _whole_groups(decisions, {"d"}, candidates_) == {"d"}
