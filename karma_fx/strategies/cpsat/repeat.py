@@ -21,12 +21,13 @@ from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, Plan
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import figures_of, reconcile, timeline_of
+from karma_fx.strategies.base import copies_landed, figures_of, reconcile, timeline_of
 from karma_fx.strategies.cpsat.blocks import Block, BlockGroup, find_groups, replicate, touches
 from karma_fx.strategies.cpsat.descent import descend
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, leanest_choices
 from karma_fx.strategies.cpsat.model import Candidate
 from karma_fx.strategies.cpsat.options import SolverOptions
+from karma_fx.strategies.cpsat.segments import attach_plan_choices
 from karma_fx.strategies.cpsat.window import per_op_memory, window_candidates
 
 
@@ -68,7 +69,8 @@ def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, cut
     base = [b + cut if rep.stop < i < rep.bwd_anchor else b for i, b in enumerate(base)]
     model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
     incumbent = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
-    start = choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload)
+    start = choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload,
+                              landed=copies_landed(problem, costs, current))
     if model.evaluate(start)[0] is None:
         start = leanest_choices(wcands, costs.allow_offload)
     _, _, hint = descend(model, start, allow_offload=costs.allow_offload)
@@ -154,6 +156,8 @@ def plan_by_blocks(problem: Problem, costs: Costs, budget_bytes: int, incumbent:
     """Improve ``incumbent`` (simulated ``incumbent_us``, fitting ``budget_bytes``) group by group, the
     largest group first; stops at the deadline of the call (``progress``)."""
     groups = find_groups(problem)
+    # the incumbent's own groups and copy points are choices of the blocks' models, so each starts from it
+    attach_plan_choices(problem, cands, incumbent, copies_landed(problem, costs, incumbent))
     out = BlockResult(incumbent, incumbent_us, blocks_total=sum(len(g.blocks) for g in groups))
     if not groups:
         out.notes.append("no repeated blocks found")
