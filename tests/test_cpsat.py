@@ -561,11 +561,10 @@ def test_a_greedy_plan_maps_onto_the_model_as_it_is():
     mapped = timeline_of(problem, costs, model.decisions(choices))
     assert mapped.makespan_us == pytest.approx(greedy.makespan_us, rel=1e-6) and mapped.peak_bytes <= budget
     chosen = {v.Index() for v in model.literals(choices)}
-    value = lambda v: 1 if v.Index() in chosen else 0  # noqa: E731
     rows, live = [], 0
     for _, base_change, delta, temps, fresh in model.dv.memory:
-        live += base_change + sum(k * value(v) for k, v in delta)
-        rows.append(max([live] + [live - fresh + k * value(v) for k, v in temps]))
+        live += base_change + sum(k for k, v in delta if v in chosen)
+        rows.append(max([live] + [live - fresh + k for k, v in temps if v in chosen]))
     assert rows == per_op_memory(problem, mapped)
 
 

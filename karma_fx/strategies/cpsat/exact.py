@@ -70,6 +70,7 @@ class Model:
             m.Add(T[i + 1] == T[i] + wait[i] + sum(rec_at.get(i, ())) + dur[i])
         self._times = _Times(dur, d2h, h2d, {c.name: _t(chain_time(costs, c)) for c in cands}, horizon, T, wait,
                              {seg.index: (seg, _t(chain_time(costs, seg))) for seg in segs})
+        self._literals: list | None = None
         end_d2h: dict[str, object] = {}
         prev = None
         for c in sorted(cands, key=lambda c: (c.producer, c.first_bwd, c.name)):
@@ -156,16 +157,17 @@ class Model:
         if not self.dv.admits(self.cands, choices):
             return None, None
         true = {v.Index() for v in self.literals(choices)}
-        value = lambda v: 1 if v.Index() in true else 0  # noqa: E731
-        memory = self.dv.memory_values(value)
+        memory = self.dv.memory_values(true)
         if memory is None:
             return None, None
         timed = self._times.earliest(choices)
         if timed is None:
             return None, None
         makespan, assignment = timed
-        memory_vars = {m.Index() for m, _ in memory}
-        assignment += [(v, value(v)) for v in self.dv.created if v.Index() not in memory_vars]
+        if self._literals is None:  # every decision variable but the memory ones, with its index
+            memory_vars = {m.Index() for m, *_ in self.dv.memory}
+            self._literals = [(v, v.Index()) for v in self.dv.created if v.Index() not in memory_vars]
+        assignment += [(v, 1 if i in true else 0) for v, i in self._literals]
         assignment += memory
         assignment += [(self.makespan, makespan), (self.objective, max(makespan, self.floor))]
         return makespan / TIME_SCALE, assignment

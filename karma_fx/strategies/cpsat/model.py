@@ -124,9 +124,10 @@ class DecisionVars:
     """(a segment's literal, a candidate its chain reads, the op the chain runs before, the segment's index):
     where that candidate is offloaded and first read later, it comes back for the chain, waited for there."""
     memory: list = field(default_factory=list)
-    """Per op: (its memory variable, the base change at the op, (coefficient, literal) terms of the plan's
-    change, the (coefficient, literal) of each recompute chain run before the op (how far it rises above
-    what it brings back), and the units the op's own outputs take, which no chain before it sees)."""
+    """Per op: (its memory variable, the base change at the op, (coefficient, literal index) terms of the
+    plan's change, the (coefficient, literal index) of each recompute chain run before the op (how far it
+    rises above what it brings back), and the units the op's own outputs take, which no chain before it
+    sees). Indices, not literals: ``memory_values`` runs for every plan the local search times."""
     budget_units: int = 0
     allow_offload: bool = True
 
@@ -154,15 +155,15 @@ class DecisionVars:
                     return False
         return True
 
-    def memory_values(self, value) -> list[tuple[object, int]] | None:
-        """Every memory variable's value under fixed literals (``value`` maps a literal to 0/1), or ``None``
+    def memory_values(self, true: set[int]) -> list[tuple[object, int]] | None:
+        """Every memory variable's value when exactly the literals with indices ``true`` hold, or ``None``
         where the choices exceed the budget at some op: the memory check of a fixed-decision model, without
         a solve."""
         out, previous = [], 0
+        budget = self.budget_units
         for mem, base_change, delta, temps, fresh in self.memory:
-            previous += base_change + sum(k * value(v) for k, v in delta)
-            if previous < 0 or previous > self.budget_units or any(
-                    previous - fresh + k * value(v) > self.budget_units for k, v in temps):
+            previous += base_change + sum(k for k, v in delta if v in true)
+            if previous < 0 or previous > budget or any(previous - fresh + k > budget for k, v in temps if v in true):
                 return None
             out.append((mem, previous))
         return out
@@ -316,7 +317,8 @@ def add_decisions_and_memory(m, problem: Problem, cands: list[Candidate], base_b
         fresh = sum(problem.storage(o).size_bytes for o in problem.ops[i].outputs) // unit
         for k, v in temps.get(i, ()):
             m.Add(mem + k * v <= budget_units + fresh)
-        dv.memory.append((mem, base[i] - (base[i - 1] if i else 0), delta[i], temps.get(i, []), fresh))
+        dv.memory.append((mem, base[i] - (base[i - 1] if i else 0), [(k, v.Index()) for k, v in delta[i]],
+                          [(k, v.Index()) for k, v in temps.get(i, ())], fresh))
         previous = mem
     dv.budget_units = budget_units
     return dv
