@@ -210,3 +210,34 @@ def test_every_swap_out_is_waited_for_where_it_lands_at_no_cost(name, strategy):
             assert landed[d.tensor] <= starts[d.release_before] + 1e-6
             earlier = names[names.index(d.release_before) - 1]
             assert names.index(earlier) <= names.index(d.free_after) or landed[d.tensor] > starts[earlier]
+
+
+def test_a_swap_that_a_recompute_chain_reads_is_fetched_for_that_chain_not_at_it():
+    """Greedy places each prefetch to end before the tensor is read: where a recompute chain reads a swapped
+    tensor before its own first backward read, before the chain. Placed for the later read, the copy was
+    issued at the chain itself and the step waited for all of it (Llama, bf16, at 0.35: every layer)."""
+    from helpers import random_costs, random_problem
+
+    from karma_fx.plan import Recompute
+    from karma_fx.simulate import simulate
+    from karma_fx.strategies.base import read_by_chains, reconcile, saved_gaps
+    from karma_fx.strategies.greedy import just_in_time
+
+    problem = random_problem(6, [150] * 6, [-1] * 6, [10.0])
+    costs = random_costs(problem, [10.0], bytes_per_us=10.0)  # a0's copy takes 16 µs: more than an op
+    start = costs.op_starts_us()
+    a0 = next(g for g in saved_gaps(problem) if g.storage.name == "a0")
+    rebuild_a1 = Recompute(tensors=("a1",), ops=("f1",), reload_before="g2")  # reads a0 at g2, before g1
+    due = read_by_chains(problem, [rebuild_a1])
+    assert due["a0"] == problem.op_index("g2") < a0.first_bwd_use
+
+    stalls = {}
+    for label, placed in (("for its own read", just_in_time(problem, costs, [a0], start)),
+                          ("for the chain", just_in_time(problem, costs, [a0], start, due=due))):
+        decisions = reconcile(problem, placed + [rebuild_a1])
+        swap = next(d for d in decisions if getattr(d, "tensor", None) == "a0")
+        assert swap.reload_before == "g2"
+        stalls[label] = simulate(problem, decisions, costs).stall_us
+        if label == "for the chain":
+            assert start[problem.op_index(swap.prefetch_at)] <= start[problem.op_index("g2")] - 16.0
+    assert stalls["for its own read"] > 0 and stalls["for the chain"] == 0

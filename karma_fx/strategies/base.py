@@ -242,9 +242,9 @@ def figures_of(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] |
     return found
 
 
-def reconcile(problem: Problem, decisions: tuple[Decision, ...] | list[Decision]) -> tuple[Decision, ...]:
-    """Make offloads and recomputes agree: an offloaded tensor that a recompute chain reads is back (and
-    waited for) before that chain, not only before its own first backward read."""
+def read_by_chains(problem: Problem, decisions: Iterable[Decision]) -> dict[str, int]:
+    """Storage -> the earliest op before which a recompute chain of ``decisions`` reads it (from outside the
+    chain)."""
     op_index = problem.op_index
     needed_by: dict[str, int] = {}
     for d in decisions:
@@ -255,6 +255,14 @@ def reconcile(problem: Problem, decisions: tuple[Decision, ...] | list[Decision]
                 for s in problem.ops[op_index(name)].inputs:
                     if s not in made:
                         needed_by[s] = min(needed_by.get(s, at), at)
+    return needed_by
+
+
+def reconcile(problem: Problem, decisions: tuple[Decision, ...] | list[Decision]) -> tuple[Decision, ...]:
+    """Make offloads and recomputes agree: an offloaded tensor that a recompute chain reads is back (and
+    waited for) before that chain, not only before its own first backward read."""
+    op_index = problem.op_index
+    needed_by = read_by_chains(problem, decisions)
     out: list[Decision] = []
     for d in decisions:
         if isinstance(d, Offload) and d.tensor in needed_by and needed_by[d.tensor] < op_index(d.reload_before):
