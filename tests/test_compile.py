@@ -300,3 +300,42 @@ def test_rebuilt_segments_train_as_eager(name):
     assert_same_training(model, compiled, args, kwargs)
     assert "segment" in strategy.kinds and any(len(d.tensors) == 1 for d in compiled.plan.decisions
                                                if hasattr(d, "tensors"))
+
+
+class _GreedyAsTheModelSeesIt:
+    """Greedy's plan at a low budget carried through the exact model's terms (its groups and copy points
+    offered as choices: ``attach_plan_choices``), as the solver would hand it back: the groups rebuild only
+    the tensors large enough to decide on, with greedy's own chains, and the smaller ones stay resident."""
+
+    name = "greedy-as-model"
+
+    def __call__(self, problem, costs, budget_bytes):
+        from karma_fx.plan import Plan
+        from karma_fx.strategies.base import copies_landed, reconcile, timeline_of
+        from karma_fx.strategies.cpsat.exact import choices_from_plan
+        from karma_fx.strategies.cpsat.model import candidates, decisions_from
+        from karma_fx.strategies.cpsat.segments import attach_plan_choices
+        from karma_fx.strategies.greedy import Greedy
+        from karma_fx.strategies.leanest import leanest_peak
+
+        low, high = leanest_peak(problem, costs), timeline_of(problem, costs, ()).peak_bytes
+        greedy = Greedy()(problem, costs, int(low + 0.2 * (high - low)))
+        sizes = sorted(s.size_bytes for s in problem.saved_activations())
+        cands = candidates(problem, min_bytes=sizes[len(sizes) // 4])  # a quarter of them too small to decide
+        landed = copies_landed(problem, costs, greedy.decisions)
+        self.groups = attach_plan_choices(problem, cands, greedy.decisions, landed)
+        choices = choices_from_plan(problem, cands, greedy, landed=landed)
+        by_name = {c.name: c for c in cands}
+        decisions = reconcile(problem, decisions_from(problem, {by_name[k]: v for k, v in choices.items()}))
+        self.left_resident = {t for d in greedy.decisions for t in getattr(d, "tensors", ())} - set(by_name)
+        return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions)
+
+
+def test_a_heuristic_plan_in_the_models_terms_trains_as_eager():
+    """Greedy's groups as the models' choices rebuild their larger tensors with greedy's chains while the
+    smaller ones stay on the device (the chains make them again as temporaries): the step trains as eager."""
+    model, args, kwargs = build("wrn28_10", "tiny")
+    strategy = _GreedyAsTheModelSeesIt()
+    compiled = karma_fx.compile(model, budget=1 << 40, strategy=strategy)
+    assert_same_training(model, compiled, args, kwargs)
+    assert strategy.groups > 0 and strategy.left_resident
