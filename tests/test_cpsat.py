@@ -580,3 +580,36 @@ def test_a_window_takes_whole_the_groups_the_incumbent_rebuilds_together():
     candidates_ = {"a", "b", "b2", "c", "d", "e"}
     assert _whole_groups(decisions, {"a", "e"}, candidates_) == {"a", "b", "b2", "c", "e"}
     assert _whole_groups(decisions, {"d"}, candidates_) == {"d"}
+
+
+def test_ctrl_c_during_a_solve_interrupts_planning():
+    """CP-SAT (and SCIP, for the bound) take SIGINT for themselves by default: a Ctrl-C during a solve ended
+    that solve as if its limit were reached and planning went on (the CLI exited 0 after a Ctrl-C), and CP-SAT
+    left the default handler behind. Our solvers leave it to Python: the interrupt is raised when the solve
+    returns. Run in a child process, so that a regression cannot leave this one without its handler."""
+    import subprocess
+    import sys
+
+    script = """
+import os, random, signal, threading, time
+from ortools.sat.python import cp_model
+from karma_fx.strategies.cpsat.model import deterministic_solver
+rng = random.Random(0)
+m = cp_model.CpModel()
+xs = [m.NewBoolVar("") for _ in range(400)]
+w = [rng.randint(1000, 100000) for _ in xs]
+v = [rng.randint(1000, 100000) for _ in xs]
+m.Add(sum(a * x for a, x in zip(w, xs)) <= sum(w) // 3)
+m.Add(sum(a * x for a, x in zip(v, xs)) <= sum(v) // 3 + 7)
+m.Maximize(sum((a + b) * x for a, b, x in zip(w, v, xs)))
+solver = deterministic_solver(4.0, 2, 0)  # about 2 s of search: it does not finish
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    status = solver.Solve(m)
+    time.sleep(0.5)
+    print("solved", solver.StatusName(status))
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "interrupted", done.stdout + done.stderr

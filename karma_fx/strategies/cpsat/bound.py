@@ -110,8 +110,11 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
     if lp is None:
         integral, lp = False, pywraplp.Solver.CreateSolver("GLOP")
     else:
+        # SCIP would take Ctrl-C for itself (stopping the solve, planning on): it is the user's, see
+        # ``model.deterministic_solver``
         lp.SetSolverSpecificParametersAsString(f"limits/nodes = {mip_nodes}\n"
-                                               f"separating/maxroundsroot = {ROOT_CUT_ROUNDS}\n")
+                                               f"separating/maxroundsroot = {ROOT_CUT_ROUNDS}\n"
+                                               "misc/catchctrlc = FALSE\n")
         lp.SetTimeLimit(120_000)  # a guard only: the node limit ends the search
     inf = lp.infinity()
     var01 = (lambda: lp.IntVar(0, 1, "")) if integral else (lambda: lp.NumVar(0, 1, ""))

@@ -342,7 +342,12 @@ def deterministic_solver(time_limit_s: float, workers: int, seed: int):
     """A CP-SAT solver whose answer depends only on the model and the seed, not on machine load: its limit is
     CP-SAT's deterministic time (``time_limit_s`` converted at ``DETERMINISTIC_UNITS_PER_S``), its workers
     interleave their searches in fixed batches, and a wall-clock cap of four times the limit only guards
-    against a pathological run (that cap, if ever hit, is the one non-reproducible exit)."""
+    against a pathological run (that cap, if ever hit, is the one non-reproducible exit).
+
+    Ctrl-C stays the user's: by default CP-SAT takes SIGINT for itself during a solve (ending the search as if
+    its limit were reached, so planning went on and the CLI exited 0) and leaves the default handler behind
+    (a later Ctrl-C killed the process without a word). Without it the interrupt is raised as soon as the
+    solve returns, within its time limit."""
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
@@ -352,4 +357,5 @@ def deterministic_solver(time_limit_s: float, workers: int, seed: int):
     solver.parameters.interleave_search = True
     solver.parameters.random_seed = seed
     solver.parameters.interleave_batch_size = INTERLEAVE_BATCH
+    solver.parameters.catch_sigint_signal = False
     return solver
