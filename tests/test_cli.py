@@ -211,8 +211,11 @@ def test_ctrl_c_during_planning_prints_one_line_and_exits_130():
     script = ("import runpy, sys, karma_fx.cli; print('ready', flush=True); "
               "sys.argv = ['karma-fx', 'plan', 'gpt2', '--size', 'tiny', '--budget', '0.95', '--strategy', 'cpsat']; "
               "runpy.run_module('karma_fx', run_name='__main__')")
+    # as from a terminal: Ctrl-C not ignored (a test run started in the background inherits SIG_IGN, and a
+    # Python started so never turns SIGINT into KeyboardInterrupt)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "KARMA_PROGRESS": "0"})
+                            text=True, env={**os.environ, "KARMA_PROGRESS": "0"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(1.5)

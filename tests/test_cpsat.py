@@ -587,6 +587,7 @@ def test_ctrl_c_during_a_solve_interrupts_planning():
     that solve as if its limit were reached and planning went on (the CLI exited 0 after a Ctrl-C), and CP-SAT
     left the default handler behind. Our solvers leave it to Python: the interrupt is raised when the solve
     returns. Run in a child process, so that a regression cannot leave this one without its handler."""
+    import signal
     import subprocess
     import sys
 
@@ -611,5 +612,6 @@ try:
 except KeyboardInterrupt:
     print("interrupted")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
     assert done.returncode == 0 and done.stdout.strip() == "interrupted", done.stdout + done.stderr
