@@ -210,8 +210,9 @@ def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *, a
     # A group the plan rebuilds together (a checkpointed block) whose candidates are exactly a segment's
     # members takes that segment's choice (the one with the plan's own chain, if offered:
     # ``segments.attach_plan_choices``): one chain per tensor could not read the others, dropped too.
-    by_members = {frozenset(seg.members): seg for seg in segments_of(cands)}
-    by_chain = {(frozenset(seg.members), seg.decision.ops): seg for seg in segments_of(cands)}
+    segs = segments_of(cands)
+    by_members = {frozenset(seg.members): seg for seg in segs}
+    by_chain = {(frozenset(seg.members), seg.decision.ops): seg for seg in segs}
     for d in plan.decisions:
         if isinstance(d, Recompute):
             members = frozenset(d.tensors) & names
@@ -234,7 +235,7 @@ def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *, a
         c = by_name[name]
         if choice.kind is Kind.RECOMPUTE and any(out.get(t, KEEP).kind is not Kind.KEEP for t in c.needs_kept):
             out[name] = Choice.offload(c.releases[0], c.first_bwd) if allow_offload else KEEP
-    for seg in segments_of(cands):  # and a segment's chain only what is on the device when it runs
+    for seg in segs:  # and a segment's chain only what is on the device when it runs
         if out.get(seg.members[0], KEEP) == Choice.segment(seg.index) and not all(
                 t in by_name and present_by(by_name[t], out.get(t, KEEP), seg.anchor, seg.index)
                 for t in seg.needs_kept):

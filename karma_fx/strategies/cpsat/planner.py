@@ -115,9 +115,9 @@ class CpSat:
                             "the solver was not run")
         cands = candidates(problem, min_bytes=opts.memory_unit_bytes)
         notes.append(f"{len(cands)} tensors large enough for the solver to decide on")
+        landed = copies_landed(problem, costs, best[1].decisions) if best is not None else {}
         if best is not None:  # the best heuristic's own choices become the models', so its plan is a start
-            added = attach_plan_choices(problem, cands, best[1].decisions,
-                                        copies_landed(problem, costs, best[1].decisions))
+            added = attach_plan_choices(problem, cands, best[1].decisions, landed)
             if added:
                 notes.append(f"{added} groups that {best[1].strategy} rebuilds with one chain offered as choices")
         all_cands = cands
@@ -127,7 +127,7 @@ class CpSat:
             cands = []
         good_enough_us = None if proven is None else proven * (1 + opts.good_enough_gap)
         if cands and not out_of_time():
-            best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, proven, notes, say)
+            best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, landed, proven, notes, say)
         if best is None:  # no heuristic fits: the leanest plan is the last resort, and the floor quoted to users
             leanest = leanest_decisions(problem, costs)
             if figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
@@ -177,11 +177,12 @@ class CpSat:
         return fallback()
 
     def _solve_whole(self, problem: Problem, costs: Costs, budget_bytes: int, base: list[int], cands: list[Candidate],
-                     best: tuple[float, Plan, int] | None, proven: float | None, notes: list[str],
-                     say) -> tuple[float, Plan, int] | None:
+                     best: tuple[float, Plan, int] | None, landed: dict[str, int], proven: float | None,
+                     notes: list[str], say) -> tuple[float, Plan, int] | None:
         """The whole-graph models: the all-linear capacity model picks decisions among the candidates' options,
-        then the exact FIFO model times them and polishes from the best start it is given. Returns the new best
-        (simulated time, plan, peak): the solver's plan if the simulator says it fits and is no slower."""
+        then the exact FIFO model times them and polishes from the best start it is given (``landed``: where
+        the copies out of ``best``'s plan have landed). Returns the new best (simulated time, plan, peak): the
+        solver's plan if the simulator says it fits and is no slower."""
         opts = self.options
         effort_s = opts.effort_s(len(cands))
         say("solver, memory-only pass", self.name)
@@ -199,7 +200,7 @@ class CpSat:
         model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes, floor_us=proven or 0.0)
         starts = ([in_prefetch_order(cands, phase1[0])] if phase1 else []) \
             + ([choices_from_plan(problem, cands, best[1], allow_offload=costs.allow_offload,
-                                  landed=copies_landed(problem, costs, best[1].decisions))] if best else [])
+                                  landed=landed)] if best else [])
         start, start_us = None, math.inf
         for choices in starts:
             t, _ = model.evaluate(choices)

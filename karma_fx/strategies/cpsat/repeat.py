@@ -52,12 +52,12 @@ def representative(group: BlockGroup) -> Block:
 
 
 def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, cut: int,
-                          current: tuple[Decision, ...], group: BlockGroup, cands: list[Candidate],
-                          options: SolverOptions) -> tuple[str, tuple[Decision, ...]] | None:
+                          current: tuple[Decision, ...], landed: dict[str, int], group: BlockGroup,
+                          cands: list[Candidate], options: SolverOptions) -> tuple[str, tuple[Decision, ...]] | None:
     """The representative's best decisions with the rest of ``current`` pinned and its allowance cut by
     ``cut`` bytes wherever its saved tensors may be away (between its last op and its first backward read;
     elsewhere it can free nothing, and a cut there would only make the model infeasible): (CP-SAT status,
-    decisions), or ``None`` when the model finds none."""
+    decisions), or ``None`` when the model finds none. ``landed``: where ``current``'s copies out landed."""
     rep = representative(group)
     names = set(rep.saved)
     window = [c for c in cands if c.name in names]
@@ -69,8 +69,7 @@ def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, cut
     base = [b + cut if rep.stop < i < rep.bwd_anchor else b for i, b in enumerate(base)]
     model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
     incumbent = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
-    start = choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload,
-                              landed=copies_landed(problem, costs, current))
+    start = choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload, landed=landed)
     if model.evaluate(start)[0] is None:
         start = leanest_choices(wcands, costs.allow_offload)
     _, _, hint = descend(model, start, allow_offload=costs.allow_offload)
@@ -157,7 +156,8 @@ def plan_by_blocks(problem: Problem, costs: Costs, budget_bytes: int, incumbent:
     largest group first; stops at the deadline of the call (``progress``)."""
     groups = find_groups(problem)
     # the incumbent's own groups and copy points are choices of the blocks' models, so each starts from it
-    attach_plan_choices(problem, cands, incumbent, copies_landed(problem, costs, incumbent))
+    landed, landed_of = copies_landed(problem, costs, incumbent), incumbent
+    attach_plan_choices(problem, cands, incumbent, landed)
     out = BlockResult(incumbent, incumbent_us, blocks_total=sum(len(g.blocks) for g in groups))
     if not groups:
         out.notes.append("no repeated blocks found")
@@ -170,7 +170,10 @@ def plan_by_blocks(problem: Problem, costs: Costs, budget_bytes: int, incumbent:
             break
         progress.report(f"solver, block group {k + 1} of {len(groups)}")
         label = f"block group {k + 1} ({len(group.blocks)} x {group.size} ops)"
-        solved = _solve_representative(problem, costs, budget_bytes, 0, out.decisions, group, cands, options)
+        if out.decisions is not landed_of:  # a group's copies changed the plan
+            landed, landed_of = copies_landed(problem, costs, out.decisions), out.decisions
+        solved = _solve_representative(problem, costs, budget_bytes, 0, out.decisions, landed, group, cands,
+                                       options)
         if solved is None:
             out.notes.append(f"{label}: the solver found nothing")
             continue

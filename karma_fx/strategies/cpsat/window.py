@@ -24,7 +24,7 @@ from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
-from karma_fx.strategies.base import copies_landed, figures_of, reconcile, timeline_of
+from karma_fx.strategies.base import copies_landed, figures_of, read_by_chains, reconcile, timeline_of
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
 from karma_fx.strategies.cpsat.model import Candidate
 from karma_fx.strategies.cpsat.segments import Segment, attach_plan_choices, segments_of
@@ -65,12 +65,6 @@ def _whole_groups(decisions: Sequence[Decision], names: set[str], candidates: se
     return out
 
 
-def _chain_reads(problem: Problem, d: Recompute) -> set[str]:
-    ops = [problem.ops[problem.op_index(o)] for o in d.ops]
-    made = {s for op in ops for s in op.outputs}
-    return {s for op in ops for s in op.inputs} - made
-
-
 def window_candidates(problem: Problem, window: list[Candidate], outside: Sequence[Decision]) -> list[Candidate]:
     """The window's candidates as the pinned plan leaves them: a recompute chain may read only what the
     outside keeps on the device, and a tensor that an outside chain reads is not recomputed (it must be there
@@ -78,8 +72,7 @@ def window_candidates(problem: Problem, window: list[Candidate], outside: Sequen
     offered only when all its members are in the window."""
     names = {c.name for c in window}
     away = set().union(*(_moved(d) for d in outside)) if outside else set()
-    read_outside = set().union(*(_chain_reads(problem, d) for d in outside if isinstance(d, Recompute))) \
-        if outside else set()
+    read_outside = set(read_by_chains(problem, outside))
     segs: dict[int, Segment] = {}
     for seg in segments_of(window):
         reads = {s for i in seg.chain for s in problem.ops[i].inputs}
@@ -105,7 +98,8 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
     # the incumbent's own groups and copy points become choices (it may come from the block pass, whose
     # copied plans the heuristics' choices do not cover): without them the windows around a ResNet-200 block
     # plan were skipped as inexpressible
-    attach_plan_choices(problem, cands, incumbent, copies_landed(problem, costs, incumbent))
+    landed = copies_landed(problem, costs, incumbent)  # of ``current``: recomputed when a window improves it
+    attach_plan_choices(problem, cands, incumbent, landed)
     ordered = sorted(cands, key=lambda c: (c.producer, c.name))
     current, best_us = incumbent, incumbent_us
     notes: list[str] = []
@@ -124,7 +118,7 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
         model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
         incumbent_plan = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
         _, hint = model.evaluate(choices_from_plan(problem, wcands, incumbent_plan, allow_offload=costs.allow_offload,
-                                                   landed=copies_landed(problem, costs, current)))
+                                                   landed=landed))
         label = f"window over tensors {start}-{end - 1}"
         if hint is None:
             notes.append(f"{label}: skipped, the solver cannot express the current plan there")
@@ -143,6 +137,7 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
         if tl.peak_bytes <= budget_bytes and tl.makespan_us < best_us - 1e-6:
             notes.append(f"{label}: faster, {best_us / 1e3:.3f} -> {tl.makespan_us / 1e3:.3f} ms")
             current, best_us = trial, tl.makespan_us
+            landed = copies_landed(problem, costs, current)
         else:
             notes.append(f"{label}: no faster plan")
     return current, notes
