@@ -364,6 +364,70 @@ def test_past_the_size_threshold_the_block_pass_runs_and_never_loses_to_greedy()
     assert plan.status.startswith(("BLOCKS:", "FALLBACK:greedy"))
 
 
+def test_blocks_take_whole_the_groups_the_incumbent_rebuilds_across_a_cut():
+    """A cut point splits each layer into its attention and its MLP half; a plan that rebuilds a layer's
+    attention tail with its MLP inputs in one chain spans two half-layer blocks, and a block model that took
+    one half left the other half kept (over the budget, so the blocks of GPT-2-48 found nothing). Given such a
+    plan, the blocks are whole layers (two segments in a row, from the phase that splits no group)."""
+    from karma_fx.strategies.cpsat.blocks import find_groups, straddling
+
+    problem = _four_layer_gpt().problem
+    halves = find_groups(problem)
+    assert len(halves) == 2 and len(halves[0].blocks) == 4  # the last MLP half differs (the head follows it)
+    first = halves[0].blocks[1]
+    second = next(b for b in halves[1].blocks if b.start == first.stop + 1)  # the two halves of layer 2
+    across = (Recompute(tensors=(first.saved[-1], second.saved[0]), ops=(), reload_before="x"),)
+    assert straddling(halves, across) == 1
+    layers = find_groups(problem, decisions=across)
+    assert straddling(layers, across) == 0
+    assert len(layers) == 1 and len(layers[0].blocks) >= 3
+    assert any(b.start == first.start and b.stop == second.stop for b in layers[0].blocks)
+
+
+def test_a_window_model_times_the_copies_and_chains_around_it():
+    """A window's model pins the surroundings' copies (they share the copy streams with the window's) and
+    times their recompute chains, so the incumbent plan mapped onto it is timed as the simulator runs it;
+    a model that left them out put greedy's plan on tiny ResNet-50 5-10% under its simulated time, and a
+    window then took slower plans for faster ones."""
+    from karma_fx.strategies.base import copies_landed, figures_of, timeline_of
+    from karma_fx.strategies.cpsat import KEEP, Model
+    from karma_fx.strategies.cpsat.exact import choices_from_plan
+    from karma_fx.strategies.cpsat.segments import attach_plan_choices
+    from karma_fx.strategies.cpsat.window import (_moved, _whole_groups, chains_before, per_op_memory,
+                                                  pin_outside_copies, window_candidates)
+    from karma_fx.strategies.greedy import Greedy
+
+    prep = prepared("resnet50")
+    problem, costs = prep.problem, prep.costs
+    budget = int(prep.min_peak_bytes() + 0.2 * (prep.unplanned_peak_bytes - prep.min_peak_bytes()))
+    plan = Greedy()(problem, costs, budget)
+    simulated = figures_of(problem, costs, plan.decisions).makespan_us
+    cands = candidates(problem, min_bytes=1)
+    landed = copies_landed(problem, costs, plan.decisions)
+    attach_plan_choices(problem, cands, plan.decisions, landed)
+    ordered = sorted(cands, key=lambda c: (c.producer, c.name))
+    pinned_any = False
+    for part in (ordered[:len(ordered) // 2], ordered[len(ordered) // 2:]):
+        names = _whole_groups(plan.decisions, {c.name for c in part}, {c.name for c in ordered})
+        outside = tuple(d for d in plan.decisions if not (_moved(d) & names))
+        wcands = window_candidates(problem, [c for c in ordered if c.name in names], outside)
+        pinned_cands, pinned, rest = pin_outside_copies(problem, ordered, names, outside, plan, landed)
+        pinned_any |= bool(pinned)
+        assert all(isinstance(d, Recompute) or d.tensor not in pinned for d in rest)
+        model = Model(problem, costs, budget, per_op_memory(problem, timeline_of(problem, costs, rest)),
+                      wcands + pinned_cands, unit=1, pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest))
+        start = {**choices_from_plan(problem, wcands, plan, landed=landed), **pinned}
+        predicted, _ = model.evaluate(start)
+        assert predicted == pytest.approx(simulated, rel=0.01)
+        assert not set(pinned) & {d.tensor for d in model.decisions(start) if isinstance(d, Offload)}
+        if pinned:  # a pinned copy is never undone
+            assert model.evaluate({**start, **{k: KEEP for k in pinned}})[0] is None
+        alone = Model(problem, costs, budget, per_op_memory(problem, timeline_of(problem, costs, outside)), wcands,
+                      unit=1)
+        assert alone.evaluate(choices_from_plan(problem, wcands, plan, landed=landed))[0] < 0.95 * simulated
+    assert pinned_any
+
+
 def _brute_force_plans(problem, costs) -> list[tuple[int, float]]:
     """(simulated peak, step time) of every combination, per saved activation, of keep / recompute before its
     first backward read / offload (prefetched early, mid-gap or late, released or not) that the runtime runs."""

@@ -90,12 +90,17 @@ def signature(problem: Problem, start: int, stop: int,
     return (tuple(fwd), bwd), anchor
 
 
-def find_groups(problem: Problem, min_count: int = 2) -> list[BlockGroup]:
-    """Groups of at least ``min_count`` identical blocks, the largest first. A block belongs to one group;
-    blocks are never nested (a block is one segment between consecutive cut points)."""
-    by_producer = _saved_by_producer(problem)
+MAX_PERIOD = 4
+"""Blocks are made of up to this many consecutive segments. Why: a cut point splits a transformer layer into
+its attention and its MLP half, and greedy rebuilds a layer's tail across that cut (the attention's residual
+sum with the MLP's inputs); with half-layer blocks, taking such a group out of one block left its other half
+kept, over the budget, so the block models of GPT-2-48 were infeasible and found nothing."""
+
+
+def _groups_of(problem: Problem, spans: list[tuple[int, int]], by_producer: dict[int, list[str]],
+               min_count: int) -> list[BlockGroup]:
     by_sig: dict[Hashable, list[Block]] = {}
-    for start, stop in segments(problem):
+    for start, stop in spans:
         sig = signature(problem, start, stop, by_producer)
         if sig is None:
             continue
@@ -103,6 +108,40 @@ def find_groups(problem: Problem, min_count: int = 2) -> list[BlockGroup]:
         by_sig.setdefault(key, []).append(Block(start, stop, anchor, tuple(_saved_in(by_producer, start, stop))))
     groups = [BlockGroup(tuple(bs)) for bs in by_sig.values() if len(bs) >= min_count]
     return sorted(groups, key=lambda g: (-len(g.blocks), g.blocks[0].start))
+
+
+def straddling(groups: Sequence[BlockGroup], decisions: Sequence[Decision]) -> int:
+    """How many of ``decisions``' rebuilt groups span more than one block, or a block and what lies outside
+    the groups' blocks: those a block model cannot take whole."""
+    home = {t: k for k, b in enumerate(b for g in groups for b in g.blocks) for t in b.saved}
+    cut = 0
+    for d in decisions:
+        if isinstance(d, Recompute) and len(d.tensors) > 1:
+            where = {home.get(t) for t in d.tensors}
+            cut += len(where) > 1
+    return cut
+
+
+def find_groups(problem: Problem, min_count: int = 2, decisions: Sequence[Decision] = ()) -> list[BlockGroup]:
+    """Groups of at least ``min_count`` identical blocks, the largest first. A block belongs to one group;
+    blocks are never nested. A block is one segment between consecutive cut points, or ``period`` of them in
+    a row from some ``phase``: the shortest period (and its phase) whose blocks split the fewest of the
+    groups that ``decisions`` (the incumbent plan) rebuild together."""
+    by_producer = _saved_by_producer(problem)
+    segs = segments(problem)
+    best: tuple[tuple[int, int], list[BlockGroup]] | None = None
+    for period in range(1, MAX_PERIOD + 1):
+        for phase in range(min(period, len(segs))):
+            spans = [(segs[i][0], segs[min(i + period, len(segs)) - 1][1]) for i in range(phase, len(segs), period)]
+            groups = _groups_of(problem, spans, by_producer, min_count)
+            if not groups:
+                continue
+            key = (straddling(groups, decisions), period)
+            if best is None or key < best[0]:
+                best = (key, groups)
+        if best is not None and best[0][0] == 0:
+            break
+    return best[1] if best is not None else []
 
 
 class BlockMap:

@@ -52,7 +52,7 @@ def descend(model: Model, choices: dict[str, Choice], *, allow_offload: bool, ma
     evaluations = 1
     for _ in range(max_passes):
         changed = False
-        for cand in model.cands:
+        for cand in model.free:
             for move in segment_moves(model, cand, current, allow_offload):
                 if evaluations >= max_evaluations or progress.past_deadline():
                     break

@@ -6,7 +6,7 @@ computed in Python, no solve) and read back; the whole-graph pass and the window
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from karma_fx import progress
 from karma_fx.costs import Costs
@@ -27,14 +27,23 @@ class Model:
     """The CP-SAT model over ``cands``; decisions can be hinted, timed when fixed, and read back."""
 
     def __init__(self, problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int],
-                 cands: list[Candidate], unit: int = MEMORY_UNIT, *, floor_us: float = 0.0) -> None:
+                 cands: list[Candidate], unit: int = MEMORY_UNIT, *, floor_us: float = 0.0,
+                 pinned: Mapping[str, Choice] | None = None, fixed_chains_us: Mapping[int, float] | None = None,
+                 ) -> None:
         """``floor_us``: a step time no plan of the model can beat (a lower bound proven elsewhere). The model
         minimises ``max(makespan, floor)``, so a search that reaches the floor has proven its incumbent optimal
         at once instead of closing the gap from its own, weaker, bound (and a gap limit counts from the floor).
-        A floor that is not a true bound only makes the search stop at a plan that fast, never cuts one off."""
+        A floor that is not a true bound only makes the search stop at a plan that fast, never cuts one off.
+        ``pinned``: candidates whose choice is fixed (a window's or a block's surroundings: their copies share
+        the streams with the free candidates' ones); they are timed and counted but never decided on, so
+        ``free`` lists the others and ``decisions`` leaves them out. ``fixed_chains_us``: op index -> time of
+        the recompute chains that run before it whatever the model decides (the surroundings' own recomputes),
+        timed as part of that op."""
         from ortools.sat.python import cp_model
 
         self.problem, self.cands = problem, cands
+        self.pinned = dict(pinned or {})
+        self.free = [c for c in cands if c.name not in self.pinned]
         self._slot_literals: dict[tuple[str, int | None], object] = {}
         n = len(problem.ops)
         m = self.m = cp_model.CpModel()
@@ -45,7 +54,8 @@ class Model:
             self.all_vars.append(v)
             return v
 
-        dur = [_t(x) for x in costs.op_time_us]
+        fixed = fixed_chains_us or {}
+        dur = [_t(x + fixed.get(i, 0.0)) for i, x in enumerate(costs.op_time_us)]
         d2h = {c.name: _t(costs.copy_time_us(c.size, "d2h")) for c in cands}
         h2d = {c.name: _t(costs.copy_time_us(c.size, "h2d")) for c in cands}
         dv = self.dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit,
@@ -55,6 +65,9 @@ class Model:
             + sum(_t(chain_time(costs, c)) for c in cands) + sum(_t(chain_time(costs, seg)) for seg in segs) + 1
         self.all_vars.extend(dv.created)
         self.keep, self.rec, self.off, self.rel, self.pre = dv.keep, dv.rec, dv.off, dv.rel, dv.pre
+        pinned_cands = [c for c in cands if c.name in self.pinned]
+        for lit in dv.literals(pinned_cands, self.pinned):
+            m.Add(lit == 1)
 
         # ---- time: the compute stream with a wait before every op, FIFO copy streams --------------------
         T = [int_var(0, horizon, f"T_{i}") for i in range(n + 1)]
@@ -136,7 +149,8 @@ class Model:
 
     def decisions(self, choices: dict[str, Choice]) -> tuple[Decision, ...]:
         by_name = {c.name: c for c in self.cands}
-        return decisions_from(self.problem, {by_name[k]: v for k, v in choices.items() if v.kind is not Kind.KEEP})
+        return decisions_from(self.problem, {by_name[k]: v for k, v in choices.items()
+                                             if v.kind is not Kind.KEEP and k not in self.pinned})
 
     def _solver(self, options: SolverOptions, time_limit_s: float):
         """A solver for at most ``time_limit_s``, and never past the deadline of the call (``progress``): its
@@ -154,7 +168,7 @@ class Model:
         is its optimum. ``(None, None)`` where the choices break the model (memory over the budget at an op,
         prefetches out of issue order). Replaces a CP-SAT solve per start that cost about 1 s on a 157-op
         graph."""
-        if not self.dv.admits(self.cands, choices):
+        if not self.dv.admits(self.cands, choices) or any(choices.get(k) != v for k, v in self.pinned.items()):
             return None, None
         true = {v.Index() for v in self.literals(choices)}
         memory = self.dv.memory_values(true)

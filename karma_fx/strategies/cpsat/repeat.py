@@ -4,7 +4,8 @@ Why: past a few hundred candidates the whole-graph CP-SAT models do not finish, 
 ResNet bottleneck has a dozen saved tensors. For each group of identical blocks, one representative (the last
 one, nearest the forward/backward turn where the peak is) is solved at tensor level by the exact model
 (keep / offload with its copy timing / recompute), everything outside it pinned to the incumbent plan, so its
-memory allowance at every op is the budget minus what the rest of the step holds there. Its decisions are
+memory allowance at every op is the budget minus what the rest of the step holds there, and its copies queue
+behind the rest's (``window.pin_outside_copies``). Its decisions are
 copied to every block of the group by relative position, the whole plan is simulated, and it replaces the
 incumbent only if it fits and is faster. When copying into every block overshoots the budget (the
 representative was solved against the incumbent's other blocks, which then change), the copies go into each
@@ -28,7 +29,7 @@ from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, leanest_ch
 from karma_fx.strategies.cpsat.model import Candidate
 from karma_fx.strategies.cpsat.options import SolverOptions
 from karma_fx.strategies.cpsat.segments import attach_plan_choices
-from karma_fx.strategies.cpsat.window import per_op_memory, window_candidates
+from karma_fx.strategies.cpsat.window import chains_before, per_op_memory, pin_outside_copies, window_candidates
 
 
 @dataclass
@@ -65,13 +66,17 @@ def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, cut
         return None
     outside = tuple(d for d in current if not touches(problem, d, rep))
     wcands = window_candidates(problem, window, outside)
-    base = per_op_memory(problem, timeline_of(problem, costs, outside))
-    base = [b + cut if rep.stop < i < rep.bwd_anchor else b for i, b in enumerate(base)]
-    model = Model(problem, costs, budget_bytes, base, wcands, options.memory_unit_bytes)
     incumbent = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
-    start = choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload, landed=landed)
+    pinned_cands, pinned, rest = pin_outside_copies(problem, cands, names, outside, incumbent, landed,
+                                                    costs.allow_offload)
+    base = per_op_memory(problem, timeline_of(problem, costs, rest))
+    base = [b + cut if rep.stop < i < rep.bwd_anchor else b for i, b in enumerate(base)]
+    model = Model(problem, costs, budget_bytes, base, wcands + pinned_cands, options.memory_unit_bytes,
+                  pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest))
+    start = {**choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload, landed=landed),
+             **pinned}
     if model.evaluate(start)[0] is None:
-        start = leanest_choices(wcands, costs.allow_offload)
+        start = {**leanest_choices(wcands, costs.allow_offload), **pinned}
     _, _, hint = descend(model, start, allow_offload=costs.allow_offload)
     if progress.past_deadline():
         return None
@@ -154,7 +159,7 @@ def plan_by_blocks(problem: Problem, costs: Costs, budget_bytes: int, incumbent:
                    incumbent_us: float, cands: list[Candidate], options: SolverOptions) -> BlockResult:
     """Improve ``incumbent`` (simulated ``incumbent_us``, fitting ``budget_bytes``) group by group, the
     largest group first; stops at the deadline of the call (``progress``)."""
-    groups = find_groups(problem)
+    groups = find_groups(problem, decisions=incumbent)  # blocks that take the incumbent's rebuilt groups whole
     # the incumbent's own groups and copy points are choices of the blocks' models, so each starts from it
     landed, landed_of = copies_landed(problem, costs, incumbent), incumbent
     attach_plan_choices(problem, cands, incumbent, landed)
