@@ -384,20 +384,22 @@ def test_blocks_take_whole_the_groups_the_incumbent_rebuilds_across_a_cut():
     assert any(b.start == first.start and b.stop == second.stop for b in layers[0].blocks)
 
 
-def test_a_window_model_times_the_copies_and_chains_around_it():
+@pytest.mark.parametrize("name", ["resnet50", "wrn28_10"])
+def test_a_window_model_times_the_copies_and_chains_around_it(name):
     """A window's model pins the surroundings' copies (they share the copy streams with the window's) and
-    times their recompute chains, so the incumbent plan mapped onto it is timed as the simulator runs it;
-    a model that left them out put greedy's plan on tiny ResNet-50 5-10% under its simulated time, and a
-    window then took slower plans for faster ones."""
+    times their recompute chains (a copy that such a chain reads is due before it, a release after it), so the
+    incumbent plan mapped onto it is timed as the simulator runs it; a model that left them out put greedy's
+    plan on tiny ResNet-50 and WRN-28-10 6-32% under its simulated time (with the copies' due points at their
+    own reads, WRN's was still 3-5% under), and a window then took slower plans for faster ones."""
     from karma_fx.strategies.base import copies_landed, figures_of, timeline_of
     from karma_fx.strategies.cpsat import KEEP, Model
     from karma_fx.strategies.cpsat.exact import choices_from_plan
     from karma_fx.strategies.cpsat.segments import attach_plan_choices
-    from karma_fx.strategies.cpsat.window import (_moved, _whole_groups, chains_before, per_op_memory,
+    from karma_fx.strategies.cpsat.window import (_moved, _whole_groups, chains_before, due_before_chains, per_op_memory,
                                                   pin_outside_copies, window_candidates)
     from karma_fx.strategies.greedy import Greedy
 
-    prep = prepared("resnet50")
+    prep = prepared(name)
     problem, costs = prep.problem, prep.costs
     budget = int(prep.min_peak_bytes() + 0.2 * (prep.unplanned_peak_bytes - prep.min_peak_bytes()))
     plan = Greedy()(problem, costs, budget)
@@ -411,14 +413,15 @@ def test_a_window_model_times_the_copies_and_chains_around_it():
         names = _whole_groups(plan.decisions, {c.name for c in part}, {c.name for c in ordered})
         outside = tuple(d for d in plan.decisions if not (_moved(d) & names))
         wcands = window_candidates(problem, [c for c in ordered if c.name in names], outside)
-        pinned_cands, pinned, rest = pin_outside_copies(problem, ordered, names, outside, plan, landed)
+        pinned_cands, pinned, rest = pin_outside_copies(problem, ordered, names, outside, landed)
         pinned_any |= bool(pinned)
         assert all(isinstance(d, Recompute) or d.tensor not in pinned for d in rest)
         model = Model(problem, costs, budget, per_op_memory(problem, timeline_of(problem, costs, rest)),
-                      wcands + pinned_cands, unit=1, pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest))
+                      wcands + pinned_cands, unit=1, pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest),
+                      due_before_chains=due_before_chains(wcands + pinned_cands, rest, problem))
         start = {**choices_from_plan(problem, wcands, plan, landed=landed), **pinned}
         predicted, _ = model.evaluate(start)
-        assert predicted == pytest.approx(simulated, rel=0.01)
+        assert predicted == pytest.approx(simulated, rel=0.015)
         assert not set(pinned) & {d.tensor for d in model.decisions(start) if isinstance(d, Offload)}
         if pinned:  # a pinned copy is never undone
             assert model.evaluate({**start, **{k: KEEP for k in pinned}})[0] is None
@@ -426,6 +429,20 @@ def test_a_window_model_times_the_copies_and_chains_around_it():
                       unit=1)
         assert alone.evaluate(choices_from_plan(problem, wcands, plan, landed=landed))[0] < 0.95 * simulated
     assert pinned_any
+
+
+def test_a_pinned_copy_back_queues_where_it_is_issued():
+    """The copy-in stream is FIFO in issue order: a pinned copy (its prefetch fixed) takes its place in the
+    queue at its prefetch, not at its first read, so a plan that fetches a later-needed tensor first (greedy
+    does, on GPT-2-48) is timed as it runs instead of being out of the model's order."""
+    from karma_fx.strategies.cpsat.candidate import Candidate
+    from karma_fx.strategies.cpsat.segments import prefetch_slots
+
+    free = Candidate("free", 1 << 20, 0, 1, 7, [2], [5, 6, 7])
+    early = Candidate("early", 1 << 20, 0, 1, 9, [2], [5], queued_at=5)
+    assert [c.name for c, _, _ in prefetch_slots([free, early])] == ["early", "free"]
+    late = Candidate("late", 1 << 20, 0, 1, 9, [2], [5])
+    assert [c.name for c, _, _ in prefetch_slots([free, late])] == ["free", "late"]
 
 
 def _brute_force_plans(problem, costs) -> list[tuple[int, float]]:

@@ -44,3 +44,6 @@ class Candidate:
     """The segments the candidate belongs to (overlapping spans: it may be rebuilt by any one of them)."""
     reading: tuple[Segment, ...] = ()
     """The segments whose chain reads it (it is not among their members)."""
+    queued_at: int | None = None
+    """Where its copy back sits in the copy-in queue when its prefetch is fixed (a pinned copy: its prefetch
+    position, the order the runtime issues it in); ``None``: at its first backward read."""

@@ -6,7 +6,7 @@ computed in Python, no solve) and read back; the whole-graph pass and the window
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from karma_fx import progress
 from karma_fx.costs import Costs
@@ -29,7 +29,7 @@ class Model:
     def __init__(self, problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int],
                  cands: list[Candidate], unit: int = MEMORY_UNIT, *, floor_us: float = 0.0,
                  pinned: Mapping[str, Choice] | None = None, fixed_chains_us: Mapping[int, float] | None = None,
-                 ) -> None:
+                 due_before_chains: Collection[str] = ()) -> None:
         """``floor_us``: a step time no plan of the model can beat (a lower bound proven elsewhere). The model
         minimises ``max(makespan, floor)``, so a search that reaches the floor has proven its incumbent optimal
         at once instead of closing the gap from its own, weaker, bound (and a gap limit counts from the floor).
@@ -37,8 +37,10 @@ class Model:
         ``pinned``: candidates whose choice is fixed (a window's or a block's surroundings: their copies share
         the streams with the free candidates' ones); they are timed and counted but never decided on, so
         ``free`` lists the others and ``decisions`` leaves them out. ``fixed_chains_us``: op index -> time of
-        the recompute chains that run before it whatever the model decides (the surroundings' own recomputes),
-        timed as part of that op."""
+        the recompute chains that run before it whatever the model decides (the surroundings' own recomputes):
+        they run first, then the op waits for what it needs (as in the simulator), except the candidates named
+        in ``due_before_chains``, which such a chain reads (their ``first_bwd`` is that op): they are waited for
+        before the chains."""
         from ortools.sat.python import cp_model
 
         self.problem, self.cands = problem, cands
@@ -54,8 +56,9 @@ class Model:
             self.all_vars.append(v)
             return v
 
-        fixed = fixed_chains_us or {}
-        dur = [_t(x + fixed.get(i, 0.0)) for i, x in enumerate(costs.op_time_us)]
+        dur = [_t(x) for x in costs.op_time_us]
+        fixed = {i: _t(us) for i, us in (fixed_chains_us or {}).items() if _t(us) > 0}
+        before_chains = set(due_before_chains)
         d2h = {c.name: _t(costs.copy_time_us(c.size, "d2h")) for c in cands}
         h2d = {c.name: _t(costs.copy_time_us(c.size, "h2d")) for c in cands}
         dv = self.dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit,
@@ -70,8 +73,13 @@ class Model:
             m.Add(lit == 1)
 
         # ---- time: the compute stream with a wait before every op, FIFO copy streams --------------------
+        horizon += sum(fixed.values())
         T = [int_var(0, horizon, f"T_{i}") for i in range(n + 1)]
         wait = [int_var(0, horizon, f"wait_{i}") for i in range(n)]
+        # op i: a wait for what the fixed chains read, the fixed chains, the wait for the rest, the model's own
+        # chains, the op
+        pre = {i: int_var(0, horizon, f"pre_wait_{i}") for i in fixed}
+        ready = {i: T[i] + pre[i] + fixed[i] for i in fixed}  # where the op's own waits start
         m.Add(T[0] == 0)
         rec_at: dict[int, list] = {}
         for c in cands:
@@ -80,9 +88,10 @@ class Model:
         for seg in segs:
             rec_at.setdefault(seg.anchor, []).append(_t(chain_time(costs, seg)) * dv.seg[seg.index])
         for i in range(n):
-            m.Add(T[i + 1] == T[i] + wait[i] + sum(rec_at.get(i, ())) + dur[i])
+            m.Add(T[i + 1] == ready.get(i, T[i]) + wait[i] + sum(rec_at.get(i, ())) + dur[i])
         self._times = _Times(dur, d2h, h2d, {c.name: _t(chain_time(costs, c)) for c in cands}, horizon, T, wait,
-                             {seg.index: (seg, _t(chain_time(costs, seg))) for seg in segs})
+                             {seg.index: (seg, _t(chain_time(costs, seg))) for seg in segs}, fixed, pre,
+                             before_chains)
         self._literals: list | None = None
         end_d2h: dict[str, object] = {}
         prev = None
@@ -93,7 +102,7 @@ class Model:
                 m.Add(e >= prev + d2h[c.name] * off)
             m.Add(e >= T[c.producer + 1] + d2h[c.name]).OnlyEnforceIf(off)
             for r, v in self.rel[c.name].items():
-                m.Add(T[r] + wait[r] >= e).OnlyEnforceIf(v)
+                m.Add(ready.get(r, T[r]) + wait[r] >= e).OnlyEnforceIf(v)
             end_d2h[c.name] = prev = e
             self._times.out_order.append((c, e))
         last_d2h = prev
@@ -122,7 +131,10 @@ class Model:
             for p, v in self.pre[c.name].items():
                 m.Add(h >= T[p] + h2d[c.name]).OnlyEnforceIf([v, act])
             m.Add(h >= end_d2h[c.name] + h2d[c.name]).OnlyEnforceIf(act)
-            m.Add(T[at] + wait[at] >= h).OnlyEnforceIf(act)
+            if group is None and c.name in before_chains and at in pre:
+                m.Add(T[at] + pre[at] >= h).OnlyEnforceIf(act)
+            else:
+                m.Add(ready.get(at, T[at]) + wait[at] >= h).OnlyEnforceIf(act)
             prev, prev_pos = h, pos
             self._times.in_order.append((c, at, group, h, pos, act))
         self.makespan = int_var(0, horizon, "makespan")
@@ -300,8 +312,10 @@ class _Times:
     """The exact model's timing data and variables, and the earliest schedule of fixed decisions."""
 
     def __init__(self, dur: list[int], d2h: dict[str, int], h2d: dict[str, int], chain: dict[str, int],
-                 horizon: int, T: list, wait: list, segments: dict[int, tuple[Segment, int]]) -> None:
+                 horizon: int, T: list, wait: list, segments: dict[int, tuple[Segment, int]],
+                 fixed: dict[int, int], pre: dict[int, object], before_chains: set[str]) -> None:
         self.dur, self.d2h, self.h2d, self.chain, self.horizon = dur, d2h, h2d, chain, horizon
+        self.fixed, self.pre, self.before_chains = fixed, pre, before_chains
         self.segments = segments  # index -> (segment, its chain's time)
         self.T, self.wait = T, wait
         self.out_order: list[tuple[Candidate, object]] = []  # (candidate, its copy-out end variable), FIFO order
@@ -329,8 +343,10 @@ class _Times:
         early = early_reads([c for c, _ in self.out_order], choices)
         out_end: dict[str, int] = {}
         due: list[int] = [0] * n  # the time op i may not start before (after its wait)
+        due_pre: dict[int, int] = {}  # the time the fixed chains before op i may not start before
         T = [0] * (n + 1)
         wait = [0] * n
+        pre_wait: dict[int, int] = {}
         prev_out = prev_in = 0
         prev_pos = -1
         positions: dict[tuple[str, int | None], int] = {}
@@ -363,16 +379,24 @@ class _Times:
                     prev_pos = choice.prefetch
                     prev_in = max(prev_in + self.h2d[c.name], T[choice.prefetch] + self.h2d[c.name],
                                   out_end[c.name] + self.h2d[c.name])
-                    due[at] = max(due[at], prev_in)
+                    if group is None and c.name in self.before_chains and at in self.fixed:
+                        due_pre[at] = max(due_pre.get(at, 0), prev_in)
+                    else:
+                        due[at] = max(due[at], prev_in)
                     active.add((c.name, group))
                 positions[(c.name, group)], in_end[(c.name, group)] = max(prev_pos, 0), prev_in
                 next_in += 1
-            wait[i] = max(0, due[i] - T[i])
-            T[i + 1] = T[i] + wait[i] + rec_at[i] + self.dur[i]
+            start = T[i]
+            if i in self.fixed:
+                pre_wait[i] = max(0, due_pre.get(i, 0) - T[i])
+                start = T[i] + pre_wait[i] + self.fixed[i]
+            wait[i] = max(0, due[i] - start)
+            T[i + 1] = start + wait[i] + rec_at[i] + self.dur[i]
         makespan = max([T[n], prev_out, prev_in])
         if makespan > self.horizon:
             return None
         assignment = list(zip(self.T, T)) + list(zip(self.wait, wait))
+        assignment += [(v, pre_wait[i]) for i, v in self.pre.items()]
         assignment += [(e, out_end[c.name]) for c, e in self.out_order]
         assignment += [(h, in_end[(c.name, g)]) for c, _, g, h, _, _ in self.in_order]
         assignment += [(p, positions[(c.name, g)]) for c, _, g, _, p, _ in self.in_order]

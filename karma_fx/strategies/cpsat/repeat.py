@@ -29,7 +29,8 @@ from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, leanest_ch
 from karma_fx.strategies.cpsat.model import Candidate
 from karma_fx.strategies.cpsat.options import SolverOptions
 from karma_fx.strategies.cpsat.segments import attach_plan_choices
-from karma_fx.strategies.cpsat.window import chains_before, per_op_memory, pin_outside_copies, window_candidates
+from karma_fx.strategies.cpsat.window import (chains_before, due_before_chains, per_op_memory, pin_outside_copies,
+                                              window_candidates)
 
 
 @dataclass
@@ -67,12 +68,12 @@ def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, cut
     outside = tuple(d for d in current if not touches(problem, d, rep))
     wcands = window_candidates(problem, window, outside)
     incumbent = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
-    pinned_cands, pinned, rest = pin_outside_copies(problem, cands, names, outside, incumbent, landed,
-                                                    costs.allow_offload)
+    pinned_cands, pinned, rest = pin_outside_copies(problem, cands, names, outside, landed)
     base = per_op_memory(problem, timeline_of(problem, costs, rest))
     base = [b + cut if rep.stop < i < rep.bwd_anchor else b for i, b in enumerate(base)]
     model = Model(problem, costs, budget_bytes, base, wcands + pinned_cands, options.memory_unit_bytes,
-                  pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest))
+                  pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest),
+                  due_before_chains=due_before_chains(wcands + pinned_cands, rest, problem))
     start = {**choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload, landed=landed),
              **pinned}
     if model.evaluate(start)[0] is None:

@@ -39,7 +39,11 @@ def prefetch_slots(cands: Sequence[Candidate],
     slots = [(c, c.first_bwd, None) for c in cands]
     slots += [(c, seg.anchor, seg.index) for c in cands for seg in early_readers(c)
               if segments is None or seg.index in segments]
-    return sorted(slots, key=lambda e: (e[1], e[0].first_bwd, e[0].name, -1 if e[2] is None else e[2]))
+
+    def place(e: tuple[Candidate, int, int | None]) -> int:
+        return e[0].queued_at if e[0].queued_at is not None and e[2] is None else e[1]
+
+    return sorted(slots, key=lambda e: (place(e), e[1], e[0].first_bwd, e[0].name, -1 if e[2] is None else e[2]))
 
 
 def chain_reads(problem: Problem, chain: tuple[int, ...], at: int,

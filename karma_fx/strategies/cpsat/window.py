@@ -77,11 +77,11 @@ def window_candidates(problem: Problem, window: list[Candidate], outside: Sequen
     offered only when all its members are in the window."""
     names = {c.name for c in window}
     away = set().union(*(_moved(d) for d in outside)) if outside else set()
-    read_outside = set(read_by_chains(problem, outside))
+    read_outside = read_by_chains(problem, outside)
     segs: dict[int, Segment] = {}
     for seg in segments_of(window):
         reads = {s for i in seg.chain for s in problem.ops[i].inputs}
-        if all(t in names for t in seg.members) and not (set(seg.members) & read_outside) and not reads & away:
+        if all(t in names for t in seg.members) and not (set(seg.members) & read_outside.keys()) and not reads & away:
             segs[seg.index] = dataclasses.replace(seg, needs_kept=[t for t in seg.needs_kept if t in names])
     out = []
     for c in window:
@@ -89,31 +89,55 @@ def window_candidates(problem: Problem, window: list[Candidate], outside: Sequen
             reads = {s for i in c.chain for s in problem.ops[i].inputs}
             if reads & away or c.name in read_outside:
                 c = dataclasses.replace(c, chain=None, needs_kept=[], extends=[])
-        out.append(dataclasses.replace(c, needs_kept=[t for t in c.needs_kept if t in names],
-                                       segments=tuple(segs[g.index] for g in c.segments if g.index in segs)))
+        out.append(_due_at_chain(dataclasses.replace(c, needs_kept=[t for t in c.needs_kept if t in names],
+                                                     segments=tuple(segs[g.index] for g in c.segments
+                                                                    if g.index in segs)), read_outside))
     return out
 
 
+def _due_at_chain(c: Candidate, read_by: dict[str, int]) -> Candidate:
+    """``c`` as a model around pinned chains must see it: back before the first of those chains that reads it
+    (its ``first_bwd`` that op, its prefetch options no later), where that comes before its own first read."""
+    at = read_by.get(c.name)
+    if at is None or at >= c.first_bwd:
+        return c
+    return dataclasses.replace(c, first_bwd=at, prefetches=[p for p in c.prefetches if p <= at] or [at])
+
+
+def due_before_chains(cands: Sequence[Candidate], outside: Sequence[Decision], problem: Problem) -> set[str]:
+    """The candidates that the pinned chains of ``outside`` read before their own first read (``_due_at_chain``
+    moved it there): their copies back are waited for before those chains (``Model(due_before_chains=)``)."""
+    read_by = read_by_chains(problem, outside)
+    return {c.name for c in cands if read_by.get(c.name) == c.first_bwd}
+
+
 def pin_outside_copies(problem: Problem, cands: list[Candidate], names: set[str], outside: Sequence[Decision],
-                       incumbent: Plan, landed: dict[str, int], allow_offload: bool = True,
-                       ) -> tuple[list[Candidate], dict[str, Choice], tuple[Decision, ...]]:
+                       landed: dict[str, int]) -> tuple[list[Candidate], dict[str, Choice], tuple[Decision, ...]]:
     """The outside's offloads of candidates (not in ``names``) as pinned candidates of a window's or a block's
-    model, each with the incumbent's own release and prefetch as its only option: (those candidates, their
+    model, each with the plan's own release (where a copy the plan never waits for has ``landed``) and prefetch
+    as its only option, due back before the first outside chain that reads it: (those candidates, their
     choices, the outside decisions left for the base memory). Why: their copies share the two copy streams
     with the window's, and a model that did not time them saw free streams: on GPT-2-48 in bf16-mixed at 0.35
     (211 tensors swapped) a layer's model swapped six more tensors for a predicted 0.7 ms gain, and the
     whole step ran 12 ms slower."""
-    offloaded = {d.tensor for d in outside if isinstance(d, Offload)}
-    pool = [c for c in cands if c.name in offloaded and c.name not in names]
-    mapped = choices_from_plan(problem, pool, incumbent, allow_offload=allow_offload, landed=landed)
+    idx = problem.op_index
+    by_name = {c.name: c for c in cands if c.name not in names}
+    read_by = read_by_chains(problem, outside)
     pinned_cands, pinned = [], {}
-    for c in pool:
-        choice = mapped.get(c.name)
-        if choice is None or choice.kind is not Kind.OFFLOAD:
+    for d in outside:
+        c = by_name.get(getattr(d, "tensor", ""))
+        if c is None or not isinstance(d, Offload):
             continue
-        pinned[c.name] = choice
-        pinned_cands.append(dataclasses.replace(c, releases=[choice.release], prefetches=[choice.prefetch], chain=None,
-                                                needs_kept=[], extends=[], segments=(), reading=()))
+        due = min(c.first_bwd, read_by.get(c.name, c.first_bwd))
+        prefetch = min(idx(d.prefetch_at), due)
+        release = idx(d.release_before) if d.release_before else landed.get(c.name, c.releases[-1])
+        release = max(min(release, prefetch), c.last_fwd + 1)
+        if release > prefetch:
+            continue  # not a copy the model can time: its bytes stay in the base
+        pinned[c.name] = Choice.offload(release, prefetch)
+        pinned_cands.append(dataclasses.replace(c, first_bwd=due, releases=[release], prefetches=[prefetch],
+                                                chain=None, needs_kept=[], extends=[], segments=(), reading=(),
+                                                queued_at=prefetch))
     rest = tuple(d for d in outside if not (isinstance(d, Offload) and d.tensor in pinned))
     return pinned_cands, pinned, rest
 
@@ -190,16 +214,16 @@ def _solve_window(problem: Problem, costs: Costs, budget_bytes: int, current: tu
     outside = tuple(d for d in current if not (_moved(d) & names))
     wcands = window_candidates(problem, window, outside)
     incumbent_plan = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
-    pinned_cands, pinned, rest = pin_outside_copies(problem, ordered, names, outside, incumbent_plan, landed,
-                                                    costs.allow_offload)
+    pinned_cands, pinned, rest = pin_outside_copies(problem, ordered, names, outside, landed)
     base = per_op_memory(problem, timeline_of(problem, costs, rest))
     model = Model(problem, costs, budget_bytes, base, wcands + pinned_cands, options.memory_unit_bytes,
-                  pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest))
+                  pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest),
+                  due_before_chains=due_before_chains(wcands + pinned_cands, rest, problem))
     start = {**choices_from_plan(problem, wcands, incumbent_plan, allow_offload=costs.allow_offload, landed=landed),
              **pinned}
-    _, hint = model.evaluate(start)
-    if hint is None:  # one change may make it expressible (a prefetch the model's issue order moved, ...)
-        _, _, hint = descend(model, start, allow_offload=costs.allow_offload, max_passes=1)
+    # the local search first (milliseconds a timing): from the incumbent, or from where one change makes it
+    # expressible (a prefetch the model's issue order moved, ...)
+    _, _, hint = descend(model, start, allow_offload=costs.allow_offload)
     if hint is None:
         return None, "skipped, the solver cannot express the current plan there"
     result = model.solve(options, hint)
