@@ -40,10 +40,13 @@ class SolverOptions:
     max_windows: int = 4
     """The rolling-window refinement (``window.py``): at most this many windows of ``window_size``
     candidates are re-solved around the best plan."""
-    max_window_ops: int = 2000
-    """No windows on graphs with more ops: each window model times every op. Measured (bench/compare.py):
-    windows gained on resnet50 (403 ops) and resnet200 (1553), never on megatron_gpt (2755), where they
-    cost ~25 s a plan, nor on any transformer; with them cpsat took 182 s on gpt2 with 48 layers (3545 ops)."""
+    max_window_ops: int = 3000
+    """No windows on graphs with more ops: each window model times every op (about 10 s a window at 3000
+    ops: its local search and its solve). It was 2000 while the window models left out the copies and chains
+    around them, and windows never gained on a transformer; with those timed (bf16-mixed, H100, 30 s a plan)
+    a window took GPT-2-48 (2810 ops) at 0.35 from 245.95 to 241.78 ms and Llama (2354) at 0.5 from 181.83
+    to 181.16 ms. ResNet-1001 (9689 ops) stays without: with 48 layers of GPT-2 (3545 ops) cpsat once took
+    182 s."""
 
     block_seconds_per_candidate: float = 0.4
     """The same for the model of one repeated block (``repeat.py``), solved once for a whole group of blocks,
