@@ -395,8 +395,8 @@ def test_a_window_model_times_the_copies_and_chains_around_it(name):
     from karma_fx.strategies.cpsat import KEEP, Model
     from karma_fx.strategies.cpsat.exact import choices_from_plan
     from karma_fx.strategies.cpsat.segments import attach_plan_choices
-    from karma_fx.strategies.cpsat.window import (_moved, _whole_groups, chains_before, due_before_chains, per_op_memory,
-                                                  pin_outside_copies, window_candidates)
+    from karma_fx.strategies.cpsat.window import (_moved, _whole_groups, chains_before, due_before_chains,
+                                                  per_op_memory, pin_outside_copies, window_candidates)
     from karma_fx.strategies.greedy import Greedy
 
     prep = prepared(name)

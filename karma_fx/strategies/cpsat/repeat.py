@@ -5,11 +5,11 @@ ResNet bottleneck has a dozen saved tensors. For each group of identical blocks,
 one, nearest the forward/backward turn where the peak is) is solved at tensor level by the exact model
 (keep / offload with its copy timing / recompute), everything outside it pinned to the incumbent plan, so its
 memory allowance at every op is the budget minus what the rest of the step holds there, and its copies queue
-behind the rest's (``window.pin_outside_copies``). Its decisions are
-copied to every block of the group by relative position, the whole plan is simulated, and it replaces the
-incumbent only if it fits and is faster. When copying into every block overshoots the budget (the
-representative was solved against the incumbent's other blocks, which then change), the copies go into each
-half of the group, recursively, wherever they fit: the repair across block boundaries. The simulator has the last word, so this never returns a plan worse than
+with the rest's (``window.pin_outside_copies``). Its decisions are copied to every block of the group by
+relative position, the whole plan is simulated, and it replaces the incumbent only if it fits and is faster.
+When copying into every block overshoots the budget (the representative was solved against the incumbent's
+other blocks, which then change), the copies go into each half of the group, recursively, wherever they fit:
+the repair across block boundaries. The simulator has the last word, so this never returns a plan worse than
 the incumbent it was given.
 """
 from __future__ import annotations

@@ -8,9 +8,9 @@ prefetch) / recompute per tensor or per segment wholly inside the window, warm-s
 incumbent's own choices (``AddHint`` with a completed assignment). A window whose incumbent choices the model
 cannot express (no hint) is skipped: without a start the model's few seconds find nothing better. The
 outside's copies are pinned candidates of the model (they share the copy streams with the window's) and its
-recompute chains are timed as part of the ops they precede; the model still approximates (a pinned copy that
-an outside chain reads early is due at its own first read), so the simulator has the last word: a window's
-plan replaces the incumbent only if it fits and is faster.
+recompute chains are timed before the ops they precede (what they read is due before them); the model still
+approximates (a free tensor's copy back queues at the read it is due for, not where it is issued), so the
+simulator has the last word: a window's plan replaces the incumbent only if it fits and is faster.
 
 No window starts once the deadline of the call has passed (``karma_fx.progress``); each solve is cut to the
 time left by the model itself.
@@ -30,7 +30,7 @@ from karma_fx.simulate import Timeline
 from karma_fx.strategies.base import copies_landed, figures_of, read_by_chains, reconcile, timeline_of
 from karma_fx.strategies.cpsat.descent import descend
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
-from karma_fx.strategies.cpsat.choice import Choice, Kind
+from karma_fx.strategies.cpsat.choice import Choice
 from karma_fx.strategies.cpsat.model import Candidate
 from karma_fx.strategies.cpsat.segments import Segment, attach_plan_choices, segments_of
 from karma_fx.strategies.cpsat.options import SolverOptions
