@@ -136,6 +136,16 @@ def test_a_window_replaces_a_stalling_swap_by_the_recompute_it_can_afford():
     kept, _ = refine_in_windows(p, slow, 3114, refined, simulate(p, refined, slow).makespan_us, cands, size=30,
                                 max_windows=1, options=opts)
     assert simulate(p, kept, slow).makespan_us <= 70.0 + 1e-9
+    # Under a deadline a round that gained is followed by another, shifted by half a window; without one, not.
+    from karma_fx import progress
+
+    for limit, rounds in ((None, 1), (60.0, 2)):
+        with progress.deadline(limit):
+            again, notes = refine_in_windows(p, slow, 3114, swap, simulate(p, swap, slow).makespan_us, cands,
+                                             size=2, max_windows=2, options=opts)
+        assert simulate(p, again, slow).makespan_us == pytest.approx(70.0)
+        assert notes[0] == "window over tensors 0-1: faster, 0.250 -> 0.070 ms"
+        assert sum("(round 2)" in n for n in notes) == rounds - 1 and len(notes) == rounds, notes
 
 
 def test_at_the_floor_cpsat_returns_the_leanest_plan_and_says_it_fits():
