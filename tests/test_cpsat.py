@@ -405,8 +405,7 @@ def test_a_window_model_times_the_copies_and_chains_around_it(name):
     from karma_fx.strategies.cpsat import KEEP, Model
     from karma_fx.strategies.cpsat.exact import choices_from_plan
     from karma_fx.strategies.cpsat.segments import attach_plan_choices
-    from karma_fx.strategies.cpsat.window import (_moved, _whole_groups, chains_before, due_before_chains,
-                                                  per_op_memory, pin_outside_copies, window_candidates)
+    from karma_fx.strategies.cpsat.window import _moved, _whole_groups, per_op_memory, pin_outside_copies, pinned_model
     from karma_fx.strategies.greedy import Greedy
 
     prep = prepared(name)
@@ -422,14 +421,12 @@ def test_a_window_model_times_the_copies_and_chains_around_it(name):
     for part in (ordered[:len(ordered) // 2], ordered[len(ordered) // 2:]):
         names = _whole_groups(plan.decisions, {c.name for c in part}, {c.name for c in ordered})
         outside = tuple(d for d in plan.decisions if not (_moved(d) & names))
-        wcands = window_candidates(problem, [c for c in ordered if c.name in names], outside)
-        pinned_cands, pinned, rest = pin_outside_copies(problem, ordered, names, outside, landed)
+        _, pinned, rest = pin_outside_copies(problem, ordered, names, outside, landed)
         pinned_any |= bool(pinned)
         assert all(isinstance(d, Recompute) or d.tensor not in pinned for d in rest)
-        model = Model(problem, costs, budget, per_op_memory(problem, timeline_of(problem, costs, rest)),
-                      wcands + pinned_cands, unit=1, pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest),
-                      due_before_chains=due_before_chains(wcands + pinned_cands, rest, problem))
-        start = {**choices_from_plan(problem, wcands, plan, landed=landed), **pinned}
+        model, start = pinned_model(problem, costs, budget, plan.decisions, ordered, names, outside, landed, unit=1)
+        assert model.pinned == pinned and {k: start[k] for k in pinned} == pinned
+        wcands = model.free
         predicted, _ = model.evaluate(start)
         assert predicted == pytest.approx(simulated, rel=0.015)
         assert not set(pinned) & {d.tensor for d in model.decisions(start) if isinstance(d, Offload)}

@@ -47,3 +47,6 @@ class Candidate:
     queued_at: int | None = None
     """Where its copy back sits in the copy-in queue when its prefetch is fixed (a pinned copy: its prefetch
     position, the order the runtime issues it in); ``None``: at its first backward read."""
+    before_chains: bool = False
+    """A pinned recompute chain that runs before ``first_bwd`` reads it (``first_bwd`` is that op): its copy
+    back is waited for before those chains, not after them."""

@@ -6,7 +6,7 @@ computed in Python, no solve) and read back; the whole-graph pass and the window
 from __future__ import annotations
 
 import math
-from typing import Collection, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from karma_fx import progress
 from karma_fx.costs import Costs
@@ -28,8 +28,8 @@ class Model:
 
     def __init__(self, problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int],
                  cands: list[Candidate], unit: int = MEMORY_UNIT, *, floor_us: float = 0.0,
-                 pinned: Mapping[str, Choice] | None = None, fixed_chains_us: Mapping[int, float] | None = None,
-                 due_before_chains: Collection[str] = ()) -> None:
+                 pinned: Mapping[str, Choice] | None = None,
+                 fixed_chains_us: Mapping[int, float] | None = None) -> None:
         """``floor_us``: a step time no plan of the model can beat (a lower bound proven elsewhere). The model
         minimises ``max(makespan, floor)``, so a search that reaches the floor has proven its incumbent optimal
         at once instead of closing the gap from its own, weaker, bound (and a gap limit counts from the floor).
@@ -38,9 +38,8 @@ class Model:
         the streams with the free candidates' ones); they are timed and counted but never decided on, so
         ``free`` lists the others and ``decisions`` leaves them out. ``fixed_chains_us``: op index -> time of
         the recompute chains that run before it whatever the model decides (the surroundings' own recomputes):
-        they run first, then the op waits for what it needs (as in the simulator), except the candidates named
-        in ``due_before_chains``, which such a chain reads (their ``first_bwd`` is that op): they are waited for
-        before the chains."""
+        they run first, then the op waits for what it needs (as in the simulator), except the candidates such a
+        chain reads (``Candidate.before_chains``): they are waited for before the chains."""
         from ortools.sat.python import cp_model
 
         self.problem, self.cands = problem, cands
@@ -58,7 +57,7 @@ class Model:
 
         dur = [_t(x) for x in costs.op_time_us]
         fixed = {i: _t(us) for i, us in (fixed_chains_us or {}).items() if _t(us) > 0}
-        before_chains = set(due_before_chains)
+        before_chains = {c.name for c in cands if c.before_chains}
         d2h = {c.name: _t(costs.copy_time_us(c.size, "d2h")) for c in cands}
         h2d = {c.name: _t(costs.copy_time_us(c.size, "h2d")) for c in cands}
         dv = self.dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit,

@@ -20,17 +20,16 @@ from dataclasses import dataclass, field
 from karma_fx import progress
 from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
-from karma_fx.plan import Decision, Plan
+from karma_fx.plan import Decision
 from karma_fx.problem import Problem
-from karma_fx.strategies.base import copies_landed, figures_of, reconcile, timeline_of
+from karma_fx.strategies.base import copies_landed, figures_of, reconcile
 from karma_fx.strategies.cpsat.blocks import Block, BlockGroup, find_groups, replicate, touches
 from karma_fx.strategies.cpsat.descent import descend
-from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, leanest_choices
+from karma_fx.strategies.cpsat.exact import leanest_choices
 from karma_fx.strategies.cpsat.model import Candidate
 from karma_fx.strategies.cpsat.options import SolverOptions
 from karma_fx.strategies.cpsat.segments import attach_plan_choices
-from karma_fx.strategies.cpsat.window import (chains_before, due_before_chains, per_op_memory, pin_outside_copies,
-                                              window_candidates)
+from karma_fx.strategies.cpsat.window import pinned_model
 
 
 @dataclass
@@ -53,35 +52,24 @@ def representative(group: BlockGroup) -> Block:
     return group.blocks[len(group.blocks) // 2]
 
 
-def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, cut: int,
-                          current: tuple[Decision, ...], landed: dict[str, int], group: BlockGroup,
-                          cands: list[Candidate], options: SolverOptions) -> tuple[str, tuple[Decision, ...]] | None:
-    """The representative's best decisions with the rest of ``current`` pinned and its allowance cut by
-    ``cut`` bytes wherever its saved tensors may be away (between its last op and its first backward read;
-    elsewhere it can free nothing, and a cut there would only make the model infeasible): (CP-SAT status,
-    decisions), or ``None`` when the model finds none. ``landed``: where ``current``'s copies out landed."""
+def _solve_representative(problem: Problem, costs: Costs, budget_bytes: int, current: tuple[Decision, ...],
+                          landed: dict[str, int], group: BlockGroup, cands: list[Candidate],
+                          options: SolverOptions) -> tuple[str, tuple[Decision, ...]] | None:
+    """The representative's best decisions with the rest of ``current`` pinned: (CP-SAT status, decisions), or
+    ``None`` when the model finds none. ``landed``: where ``current``'s copies out landed."""
     rep = representative(group)
     names = set(rep.saved)
-    window = [c for c in cands if c.name in names]
-    if not window:
+    if not any(c.name in names for c in cands):
         return None
     outside = tuple(d for d in current if not touches(problem, d, rep))
-    wcands = window_candidates(problem, window, outside)
-    incumbent = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
-    pinned_cands, pinned, rest = pin_outside_copies(problem, cands, names, outside, landed)
-    base = per_op_memory(problem, timeline_of(problem, costs, rest))
-    base = [b + cut if rep.stop < i < rep.bwd_anchor else b for i, b in enumerate(base)]
-    model = Model(problem, costs, budget_bytes, base, wcands + pinned_cands, options.memory_unit_bytes,
-                  pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest),
-                  due_before_chains=due_before_chains(wcands + pinned_cands, rest, problem))
-    start = {**choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload, landed=landed),
-             **pinned}
+    model, start = pinned_model(problem, costs, budget_bytes, current, cands, names, outside, landed,
+                                options.memory_unit_bytes)
     if model.evaluate(start)[0] is None:
-        start = {**leanest_choices(wcands, costs.allow_offload), **pinned}
+        start = {**leanest_choices(model.free, costs.allow_offload), **model.pinned}
     _, _, hint = descend(model, start, allow_offload=costs.allow_offload)
     if progress.past_deadline():
         return None
-    limit = options.effort_s(len(wcands), options.block_seconds_per_candidate)
+    limit = options.effort_s(len(model.free), options.block_seconds_per_candidate)
     result = model.solve(SolverOptions(limit, options.workers, options.seed), hint)
     if result is None:
         return None
@@ -178,8 +166,7 @@ def plan_by_blocks(problem: Problem, costs: Costs, budget_bytes: int, incumbent:
         label = f"block group {k + 1} ({len(group.blocks)} x {group.size} ops)"
         if out.decisions is not landed_of:  # a group's copies changed the plan
             landed, landed_of = copies_landed(problem, costs, out.decisions), out.decisions
-        solved = _solve_representative(problem, costs, budget_bytes, 0, out.decisions, landed, group, cands,
-                                       options)
+        solved = _solve_representative(problem, costs, budget_bytes, out.decisions, landed, group, cands, options)
         if solved is None:
             out.notes.append(f"{label}: the solver found nothing")
             continue

@@ -97,18 +97,15 @@ def window_candidates(problem: Problem, window: list[Candidate], outside: Sequen
 
 def _due_at_chain(c: Candidate, read_by: dict[str, int]) -> Candidate:
     """``c`` as a model around pinned chains must see it: back before the first of those chains that reads it
-    (its ``first_bwd`` that op, its prefetch options no later), where that comes before its own first read."""
+    (its ``first_bwd`` that op, its prefetch options no later, ``before_chains``), where that is no later than
+    its own first read."""
     at = read_by.get(c.name)
-    if at is None or at >= c.first_bwd:
+    if at is None or at > c.first_bwd:
         return c
-    return dataclasses.replace(c, first_bwd=at, prefetches=[p for p in c.prefetches if p <= at] or [at])
-
-
-def due_before_chains(cands: Sequence[Candidate], outside: Sequence[Decision], problem: Problem) -> set[str]:
-    """The candidates that the pinned chains of ``outside`` read before their own first read (``_due_at_chain``
-    moved it there): their copies back are waited for before those chains (``Model(due_before_chains=)``)."""
-    read_by = read_by_chains(problem, outside)
-    return {c.name for c in cands if read_by.get(c.name) == c.first_bwd}
+    if at == c.first_bwd:
+        return dataclasses.replace(c, before_chains=True)
+    return dataclasses.replace(c, first_bwd=at, prefetches=[p for p in c.prefetches if p <= at] or [at],
+                               before_chains=True)
 
 
 def pin_outside_copies(problem: Problem, cands: list[Candidate], names: set[str], outside: Sequence[Decision],
@@ -137,7 +134,8 @@ def pin_outside_copies(problem: Problem, cands: list[Candidate], names: set[str]
         pinned[c.name] = Choice.offload(release, prefetch)
         pinned_cands.append(dataclasses.replace(c, first_bwd=due, releases=[release], prefetches=[prefetch],
                                                 chain=None, needs_kept=[], extends=[], segments=(), reading=(),
-                                                queued_at=prefetch))
+                                                queued_at=prefetch, before_chains=c.name in read_by
+                                                and read_by[c.name] <= c.first_bwd))
     rest = tuple(d for d in outside if not (isinstance(d, Offload) and d.tensor in pinned))
     return pinned_cands, pinned, rest
 
@@ -152,6 +150,24 @@ def chains_before(problem: Problem, costs: Costs, decisions: Sequence[Decision])
             at = problem.op_index(d.reload_before)
             out[at] = out.get(at, 0.0) + sum(costs.op_time_us[problem.op_index(o)] for o in d.ops)
     return out
+
+
+def pinned_model(problem: Problem, costs: Costs, budget_bytes: int, current: tuple[Decision, ...],
+                 cands: list[Candidate], names: set[str], outside: Sequence[Decision], landed: dict[str, int],
+                 unit: int) -> tuple[Model, dict[str, Choice]]:
+    """The exact model over the candidates named ``names`` (their choices free, ``Model.free``) with
+    ``outside``, the rest of ``current``, pinned: its offloads of candidates as pinned candidates, its chains
+    timed, the rest of its bytes the base memory; and ``current``'s own choices as the model's start. The
+    windows and the block pass both solve it. ``landed``: where ``current``'s copies out have landed."""
+    wcands = window_candidates(problem, [c for c in cands if c.name in names], outside)
+    pinned_cands, pinned, rest = pin_outside_copies(problem, cands, names, outside, landed)
+    base = per_op_memory(problem, timeline_of(problem, costs, rest))
+    model = Model(problem, costs, budget_bytes, base, wcands + pinned_cands, unit, pinned=pinned,
+                  fixed_chains_us=chains_before(problem, costs, rest))
+    incumbent = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
+    start = {**choices_from_plan(problem, wcands, incumbent, allow_offload=costs.allow_offload, landed=landed),
+             **pinned}
+    return model, start
 
 
 MAX_ROUNDS = 3
@@ -170,7 +186,8 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
     # the incumbent's own groups and copy points become choices (it may come from the block pass, whose
     # copied plans the heuristics' choices do not cover): without them the windows around a ResNet-200 block
     # plan were skipped as inexpressible
-    attach_plan_choices(problem, cands, incumbent, copies_landed(problem, costs, incumbent))
+    landed = copies_landed(problem, costs, incumbent)  # of ``current``: recomputed when a window improves it
+    attach_plan_choices(problem, cands, incumbent, landed)
     ordered = sorted(cands, key=lambda c: (c.producer, c.name))
     current, best_us = incumbent, incumbent_us
     notes: list[str] = []
@@ -186,7 +203,8 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
             start = max(0, end - size)
             progress.report(f"solver window {k + 1} of {len(ends)}" + (f", round {round_ + 1}" if round_ else ""))
             label = f"window over tensors {start}-{end - 1}" + (f" (round {round_ + 1})" if round_ else "")
-            trial, why = _solve_window(problem, costs, budget_bytes, current, ordered, ordered[start:end], options)
+            trial, why = _solve_window(problem, costs, budget_bytes, current, landed, ordered, ordered[start:end],
+                                       options)
             if trial is None:
                 notes.append(f"{label}: {why}")
                 continue
@@ -194,8 +212,8 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
             if tl.peak_bytes <= budget_bytes and tl.makespan_us < best_us - 1e-6:
                 notes.append(f"{label}: faster, {best_us / 1e3:.3f} -> {tl.makespan_us / 1e3:.3f} ms")
                 current, best_us, improved = trial, tl.makespan_us, True
-                # the next windows pin its copies as they are
-                attach_plan_choices(problem, cands, current, copies_landed(problem, costs, current))
+                landed = copies_landed(problem, costs, current)
+                attach_plan_choices(problem, cands, current, landed)  # the next windows pin its copies as they are
             else:
                 notes.append(f"{label}: no faster plan")
         if not improved:
@@ -204,23 +222,14 @@ def refine_in_windows(problem: Problem, costs: Costs, budget_bytes: int, incumbe
 
 
 def _solve_window(problem: Problem, costs: Costs, budget_bytes: int, current: tuple[Decision, ...],
-                  ordered: list[Candidate], chosen: list[Candidate],
+                  landed: dict[str, int], ordered: list[Candidate], chosen: list[Candidate],
                   options: SolverOptions) -> tuple[tuple[Decision, ...] | None, str]:
-    """The window over ``chosen`` (grown to whole rebuilt groups) solved around ``current``: (the whole plan
-    with the window's decisions, ""), or (``None``, why not)."""
-    landed = copies_landed(problem, costs, current)
+    """The window over ``chosen`` (grown to whole rebuilt groups) solved around ``current`` (whose copies out
+    have ``landed``): (the whole plan with the window's decisions, ""), or (``None``, why not)."""
     names = _whole_groups(current, {c.name for c in chosen}, {c.name for c in ordered})
-    window = [c for c in ordered if c.name in names]
     outside = tuple(d for d in current if not (_moved(d) & names))
-    wcands = window_candidates(problem, window, outside)
-    incumbent_plan = Plan(strategy="incumbent", budget_bytes=budget_bytes, decisions=current)
-    pinned_cands, pinned, rest = pin_outside_copies(problem, ordered, names, outside, landed)
-    base = per_op_memory(problem, timeline_of(problem, costs, rest))
-    model = Model(problem, costs, budget_bytes, base, wcands + pinned_cands, options.memory_unit_bytes,
-                  pinned=pinned, fixed_chains_us=chains_before(problem, costs, rest),
-                  due_before_chains=due_before_chains(wcands + pinned_cands, rest, problem))
-    start = {**choices_from_plan(problem, wcands, incumbent_plan, allow_offload=costs.allow_offload, landed=landed),
-             **pinned}
+    model, start = pinned_model(problem, costs, budget_bytes, current, ordered, names, outside, landed,
+                                options.memory_unit_bytes)
     # the local search first (milliseconds a timing): from the incumbent, or from where one change makes it
     # expressible (a prefetch the model's issue order moved, ...)
     _, _, hint = descend(model, start, allow_offload=costs.allow_offload)
