@@ -16,9 +16,12 @@ CPU default, which the plan then counts as stalls), and the median of ``--steps`
 with the plan's predicted step time. Compute runs on ``--threads`` intra-op threads (default 1), leaving the other
 cores to the copy worker: the model gives copies an engine of their own, as a GPU's copy engines are, and a copy
 thread competing with compute threads for the same cores is not in it (on two cores with two compute threads the
-4-layer GPT's offload step ran 21.6% over its prediction, with one 7.7%; 2026-12-01). The peak is measured with synchronous copies (frees where the plan puts
-them) and checked against the budget, and with the copies as timed (compute waits for each swap-out where the
-plan has it landed, so a copy later than modelled costs a stall there, not memory).
+4-layer GPT's offload step ran 21.6% over its prediction, with one 7.7%; 2026-12-01). Before anything is built,
+glibc is told to keep freed memory (``--host-memory keep``, ``karma_fx.runtime.keep_freed_host_memory``), as a
+GPU's caching allocator keeps device memory; with its defaults every large tensor gets fresh pages, which a copy
+thread running beside compute makes dearer still. The peak is measured with synchronous copies (frees where the
+plan puts them) and checked against the budget, and with the copies as timed (compute waits for each swap-out
+where the plan has it landed, so a copy later than modelled costs a stall there, not memory).
 """
 from __future__ import annotations
 
@@ -114,11 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copies", default="threads", choices=("threads", "sync"), help="CPU copy engine planned and timed")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for --time (0: torch's default); the rest of the cores copy")
+    p.add_argument("--host-memory", default="keep", choices=("keep", "default"),
+                   help="--time: keep freed host memory for reuse, as a GPU's caching allocator does "
+                        "(karma_fx.runtime.keep_freed_host_memory), or glibc's default")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     if a.time:
         if a.threads:
             torch.set_num_threads(a.threads)
+        if a.host_memory == "keep":
+            from karma_fx.runtime import keep_freed_host_memory
+
+            keep_freed_host_memory()
         rows = times(a)
         print(tabulate(rows, headers=["model", "strategy", "budget", "predicted ms", "measured ms", "error",
                                       "simulated peak", "measured peak", "peak <= budget",

@@ -39,7 +39,8 @@ def plan_table(plan: Plan, max_rows: int | None = 60, *, max_names: int | None =
 
 # ---- Chrome / Perfetto trace ----------------------------------------------------------------------------
 _THREADS = ((0, "compute"), (1, "D2H (offload)"), (2, "H2D (prefetch)"))
-_CATEGORY = {"op": "compute", "recompute": "recompute", "stall": "stall", "offload": "d2h", "prefetch": "h2d"}
+_CATEGORY = {"op": "compute", "recompute": "recompute", "stall": "stall", "issue": "copy ops", "offload": "d2h",
+             "prefetch": "h2d"}
 _CNAME = {"stall": "terrible", "recompute": "yellow"}  # Chrome's reserved colour names; Perfetto ignores them
 
 
@@ -75,6 +76,7 @@ def chrome_trace(timeline: Timeline, name: str = "karma_fx") -> dict[str, Any]:
         "displayTimeUnit": "ms",
         "otherData": {"peak_bytes": int(timeline.peak_bytes), "makespan_us": float(timeline.makespan_us),
                       "stall_us": float(timeline.stall_us), "recompute_us": float(timeline.recompute_us),
+                      "drag_us": float(timeline.drag_us), "issue_us": float(timeline.issue_us),
                       "host_peak_bytes": int(timeline.host_peak_bytes)},
     }
 

@@ -68,6 +68,10 @@ class Timeline:
     """The op (or recompute of it) during which the peak occurs."""
     peak_storages: tuple[tuple[str, int], ...] = ()
     """(storage, bytes) resident at the peak, largest first: what a better plan would have to move."""
+    drag_us: float = 0.0
+    """Compute time added by copies running beside ops (``Costs.op_drag_us``)."""
+    issue_us: float = 0.0
+    """Compute time spent issuing copies and waiting on them (``Costs.copy_issue_us``)."""
 
 
 @dataclass(frozen=True)
@@ -551,6 +555,8 @@ class _Streams:
     host_events: list[tuple[float, int]]  # (time, bytes arriving on the host (+) or leaving it (-))
     makespan_us: float
     d2h_end: dict[int, float]  # id(offload decision) → when its copy has landed
+    drag_us: float = 0.0
+    issue_us: float = 0.0
 
 
 def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, stays: _Stays, static: _Static, *,
@@ -562,6 +568,8 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
     op_time = costs.op_time_us
     copy_time = costs.copy_time_us
     blocking = costs.copies_block_compute
+    drag = costs.op_drag_us
+    issue = costs.copy_issue_us
     prefetch_item, wait_before_item = events.prefetch_item, events.wait_before_item
     release_before_item, offload_after_op = events.release_before_item, events.offload_after_op
     grad_copy_after = stays.grad_copy_after
@@ -573,7 +581,7 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
     n_items = len(item_op)
     start_us = [0.0] * n_items
     t = d2h_free = h2d_free = 0.0
-    stall_total = recompute_total = 0.0
+    stall_total = recompute_total = drag_total = issue_total = 0.0
     stall_at_op = [0.0] * len(problem.ops)
     host_events: list[tuple[float, int]] = []
     for k in range(n_items):
@@ -581,6 +589,9 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
         if issued:
             for d in issued:
                 size = size_of[d.tensor]
+                if issue:
+                    t = _issuing(compute, d.tensor, t, issue, intervals)
+                    issue_total += issue
                 begin = max(t, h2d_free, d2h_end.get(id(d), 0.0))  # the host copy must have landed
                 h2d_free = begin + copy_time(size, "h2d")
                 h2d_end[id(d)] = h2d_free
@@ -605,10 +616,18 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
         start_us[k] = t
         op = item_op[k]
         duration = op_time[op]
+        if drag and duration > 0:
+            # Every copy queued so far was issued by now and runs back to back on its stream (but for a
+            # prefetch that waits for its own offload), so copies run from this op's start to the later end.
+            overlap = min(duration, max(d2h_free, h2d_free) - t)
+            if overlap > 0:
+                added = drag[op] * overlap / duration
+                duration += added
+                drag_total += added
         if item_rc[k] is not None:
             if intervals:
                 compute.append(Interval(names[op], t, t + duration, "recompute"))
-            recompute_total += duration
+            recompute_total += op_time[op]
             t += duration
             continue
         if intervals:
@@ -618,6 +637,9 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
         if grads:
             for inst in grads:
                 size = stays.size[inst]
+                if issue:
+                    t = _issuing(compute, stays.storage[inst], t, issue, intervals)
+                    issue_total += issue
                 begin = max(t, d2h_free)
                 d2h_free = begin + copy_time(size, "d2h")
                 d2h.append(Interval(stays.storage[inst], begin, d2h_free, "offload"))
@@ -631,6 +653,9 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
         if offloads:
             for d in offloads:
                 size = size_of[d.tensor]
+                if issue:
+                    t = _issuing(compute, d.tensor, t, issue, intervals)
+                    issue_total += issue
                 begin = max(t, d2h_free)
                 d2h_free = begin + copy_time(size, "d2h")
                 d2h.append(Interval(d.tensor, begin, d2h_free, "offload"))
@@ -643,7 +668,15 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                     stall_total += waited
                     stall_at_op[group_of[k]] += waited
     return _Streams(compute, d2h, h2d, start_us, stall_at_op, stall_total, recompute_total, host_events,
-                    max(t, d2h_free, h2d_free), d2h_end)
+                    max(t, d2h_free, h2d_free), d2h_end, drag_total, issue_total)
+
+
+def _issuing(compute: list[Interval], tensor: str, t: float, issue: float, intervals: bool) -> float:
+    """Compute issues a copy of ``tensor`` (and, in the same charge, waits on it later): ``Costs.copy_issue_us``
+    of its own time. Returns when compute is free again."""
+    if intervals:
+        compute.append(Interval(f"copy op {tensor}", t, t + issue, "issue"))
+    return t + issue
 
 
 def _blocked(compute: list[Interval], label: str, t: float, until: float) -> tuple[float, float]:
@@ -705,7 +738,8 @@ def _timeline(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, s
     return Timeline(compute=tuple(streams.compute), d2h=tuple(streams.d2h), h2d=tuple(streams.h2d),
                     memory=tuple(memory), peak_bytes=peak, makespan_us=streams.makespan_us,
                     compute_us=sum(costs.op_time_us), recompute_us=streams.recompute_us, stall_us=streams.stall_us,
-                    host_peak_bytes=host_peak, rows=rows, peak_op=peak_op, peak_storages=tuple(at_peak))
+                    host_peak_bytes=host_peak, rows=rows, peak_op=peak_op, peak_storages=tuple(at_peak),
+                    drag_us=streams.drag_us, issue_us=streams.issue_us)
 
 
 def _schedule_rows(problem: Problem, memory: list[tuple[float, int]],

@@ -92,3 +92,55 @@ def test_copy_speed_counts_the_copy_not_its_queueing(mode):
         del held
         d2h, h2d, latency = measure_copy_speed("cpu")
     assert 0 < d2h < 1e6 and 0 < h2d < 1e6 and latency > 0
+
+
+def test_copy_ops_cost_compute_time_only_where_compute_runs_them():
+    """Threaded CPU copies: the computing thread still runs each copy op's call and its wait (the runtime's
+    Python), and measured costs charge that per copy; copying synchronously, the latency already holds it."""
+    from karma_fx.device import measure_copy_issue_us
+    from karma_fx.runtime import copy_mode
+
+    with copy_mode("threads"):
+        issue = measure_copy_issue_us("cpu")
+    with copy_mode("sync"):
+        assert measure_copy_issue_us("cpu") == 0.0
+    assert 0 < issue < 100_000
+
+
+def test_ops_are_timed_beside_a_real_copy_even_under_the_partitioners_fake_mode():
+    """``costs="measured"`` times the ops a second time with a copy running (their drag). It runs inside the
+    partitioner, under a fake mode: the copy's buffers must still be real memory (fake ones copied nothing and
+    let the copying thread spin, which read as every op taking twice as long)."""
+    import time
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from karma_fx.passes.measure import _copy_running
+
+    with FakeTensorMode():
+        with _copy_running(1 << 20) as (source, target):
+            time.sleep(0.05)
+    assert not isinstance(source, FakeTensor) and not isinstance(target, FakeTensor)
+    assert torch.equal(target, source) and int(source[0]) == 1
+
+
+def test_measured_costs_charge_threaded_copies_where_they_cost_compute():
+    from karma_fx.runtime import copy_mode
+
+    model, args, kwargs = build("cnn", "tiny")
+    with copy_mode("threads"):
+        threaded = karma_fx.prepare(model, args, kwargs, costs="measured").costs
+    with copy_mode("sync"):
+        synchronous = karma_fx.prepare(model, args, kwargs, costs="measured").costs
+    assert len(threaded.op_drag_us) == len(threaded.op_time_us) and threaded.copy_issue_us > 0
+    assert all(d >= 0 for d in threaded.op_drag_us)
+    assert synchronous.op_drag_us == () and synchronous.copy_issue_us == 0.0
+    assert synchronous.copies_block_compute and not threaded.copies_block_compute
+
+
+def test_keeping_freed_host_memory_takes_effect_on_glibc():
+    import platform
+
+    from karma_fx.runtime import keep_freed_host_memory
+
+    assert keep_freed_host_memory() is (platform.libc_ver()[0] == "glibc")

@@ -152,6 +152,47 @@ def test_copies_on_the_compute_thread_add_their_time():
     assert blocking.peak_bytes <= overlapped.peak_bytes
 
 
+def test_copies_slow_only_the_ops_they_run_beside():
+    """``Costs.op_drag_us``: an op is charged its drag in proportion to how much of it a copy overlaps. A's
+    offload runs beside f1 and its reload beside b2, so only those two ops grow; a drag on `loss`, which no
+    copy overlaps, costs nothing."""
+    import dataclasses
+
+    problem = chain_problem()
+    costs = flat_costs(problem, op_us=10.0, bytes_per_us=100.0)
+    plan = [Offload("A", offload_after="f0", free_after="f1", prefetch_at="b2", reload_before="b1")]
+    assert simulate(problem, plan, costs).makespan_us == 60.0
+    everywhere = simulate(problem, plan, dataclasses.replace(costs, op_drag_us=[5.0] * 6))
+    assert everywhere.makespan_us == 70.0 and everywhere.drag_us == 10.0
+    grown = {iv.label: iv.end_us - iv.start_us for iv in everywhere.compute}
+    assert grown == {"f0": 10.0, "f1": 15.0, "loss": 10.0, "b2": 15.0, "b1": 10.0, "gw": 10.0}
+    beside_nothing = simulate(problem, plan, dataclasses.replace(costs, op_drag_us=[0, 0, 5.0, 0, 0, 0]))
+    assert beside_nothing.makespan_us == 60.0 and beside_nothing.drag_us == 0.0
+    assert simulate(problem, [], dataclasses.replace(costs, op_drag_us=[5.0] * 6)).makespan_us == 60.0
+    with pytest.raises(ValueError, match="entries"):
+        dataclasses.replace(costs, op_drag_us=[1.0])
+    with pytest.raises(ValueError, match="drags"):
+        dataclasses.replace(costs, op_drag_us=[-1.0] * 6)
+
+
+def test_issuing_a_copy_takes_compute_time():
+    """``Costs.copy_issue_us``: each copy costs the issuing thread that much, at the op that issues it, and
+    the copy starts only once issued."""
+    import dataclasses
+
+    problem = chain_problem()
+    costs = dataclasses.replace(flat_costs(problem, op_us=10.0, bytes_per_us=100.0), copy_issue_us=3.0)
+    plan = [Offload("A", offload_after="f0", free_after="f1", prefetch_at="b2", reload_before="b1")]
+    tl = simulate(problem, plan, costs)
+    assert tl.makespan_us == 66.0 and tl.issue_us == 6.0 and tl.stall_us == 0.0
+    issues = [(iv.start_us, iv.end_us) for iv in tl.compute if iv.kind == "issue"]
+    assert issues == [(10.0, 13.0), (33.0, 36.0)]  # after f0, and before b2 starts
+    assert [iv.start_us for iv in tl.d2h + tl.h2d] == [13.0, 36.0]
+    assert simulate(problem, [], costs).makespan_us == 60.0
+    with pytest.raises(ValueError, match="copy_issue_us"):
+        dataclasses.replace(costs, copy_issue_us=-1.0)
+
+
 def test_a_swap_out_is_waited_for_where_the_replay_has_it_landed():
     """``wait_where_copies_land`` puts each offload's ``release_before`` at the first op the replay starts after
     the copy landed: a late copy then stalls compute instead of holding memory past the plan, and the replay
