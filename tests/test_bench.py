@@ -103,3 +103,17 @@ def test_compare_verdicts_flag_every_cell_cpsat_loses():
     assert "ok (nothing fits)" in table and "1.00 GiB" in table
     side = compare.side_by_side(results, results)
     assert "infeasible (floor" in side and "1.100x" in side
+
+
+def test_compare_summary_sets_cpsat_beside_the_bound():
+    """The geometric mean of the proven bounds is one no set of plans can go below: the summary prints it
+    beside cpsat's, over the same models (those where cpsat fits and a bound exists)."""
+    compare = load("compare")
+
+    def model(name, mine, bound):
+        return {"model": name, "bound": {"0.5": bound}, "cells": [
+            {"strategy": "cpsat", "budget": "0.5", "fits": mine is not None, "slowdown": mine or 9.0}]}
+    results = [model("a", 1.21, 1.1), model("b", 1.0, 1.0), model("c", None, 1.5), model("d", 1.3, None)]
+    text = compare.summary(results)
+    assert "1.100x / 1.049x (2)" in text  # sqrt(1.21) and sqrt(1.1); c does not fit, d has no bound
+    assert "5.0% (2)" in text  # the gaps 10% and 0%
