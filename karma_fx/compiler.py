@@ -164,11 +164,16 @@ class KarmaModule(nn.Module):
         self._recompile_if_parameters_changed(params)
         session = self._session
         session.begin_step((params, buffers))
+        # Each compiled module has its own backend, so Dynamo keeps one cache entry per module on the model
+        # class's code; past its recompile limit it would run the model eagerly, unplanned, without a word.
+        # Raised by hand for the call, not with ``config.patch``: that builds a class on every call, a third
+        # of this method's own time on a small model.
+        dynamo_config = torch._dynamo.config
+        limit = dynamo_config.recompile_limit
+        if limit < RECOMPILE_LIMIT:
+            dynamo_config.recompile_limit = RECOMPILE_LIMIT
         try:
-            # Each compiled module has its own backend, so Dynamo keeps one cache entry per module on the model
-            # class's code; past its recompile limit it would run the model eagerly, unplanned, without a word.
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                out = self._compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
         except BackendCompilerFailed as exc:
             inner = getattr(exc, "inner_exception", None)
             if isinstance(inner, KarmaError):
@@ -177,6 +182,9 @@ class KarmaModule(nn.Module):
                                         f"{_first_line(inner)}") from exc
         except TorchDynamoException as exc:  # Dynamo's own tracing errors (its message says what in the model)
             raise UnsupportedModelError(f"torch.compile could not trace the model: {_first_line(exc)}") from exc
+        finally:
+            if limit < RECOMPILE_LIMIT:
+                dynamo_config.recompile_limit = limit
         if not session.ran_training_region() and torch.is_grad_enabled() and _trains(self._orig_mod, args, kwargs):
             if not session.warned_eager:
                 session.warned_eager = True
@@ -222,7 +230,8 @@ def _check_runnable(weights: list[torch.Tensor], args: tuple, kwargs: dict) -> N
     import torch.utils._pytree as pytree
 
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    devices = {t.device.type for t in tensors} | {t.device.type for t in weights}
+    # the device objects first, their type names from the few distinct ones: a name costs five times a device
+    devices = {d.type for d in {t.device for t in tensors} | {t.device for t in weights}}
     if "meta" in devices:
         raise UnsupportedModelError(
             "the model or its inputs are on the meta device: they have no values to train on. Plan it without "

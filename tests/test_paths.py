@@ -109,6 +109,27 @@ def test_autocast_and_input_strides_recompile():
     assert same(out, ref)
 
 
+def test_more_shapes_than_dynamos_recompile_limit_stay_planned():
+    """Past Dynamo's recompile limit (8 by default) a model runs eagerly, unplanned, and the budget is not
+    enforced. The drop-in raises the limit for its own calls only: every shape below is compiled and planned,
+    and the user's setting is what it was afterwards."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    step = karma_fx.compile(model, budget=1 << 30, strategy="keep")
+    before = config.recompile_limit
+    for batch in range(1, before + 3):
+        x = torch.randn(batch, 4)
+        out, ref = run_both(step, model, reference, x)
+        assert same(out, ref) and all(same(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                                         reference.parameters()))
+        assert config.recompile_limit == before
+    assert len(step.regions) == before + 2  # one planned region per shape: none ran eagerly
+
+
 def test_behaves_like_the_model():
     from karma_fx.zoo import build
 
