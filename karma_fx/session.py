@@ -135,6 +135,8 @@ class Session:
         self._previous: list[_Run] | None = None
         self._seen: dict[int, int] = {}
         self._inputs: dict[int, int] = {}
+        self._weight_storage: dict[int, tuple[int, int]] = {}
+        """id of each weight and buffer the front door walked this step -> (storage pointer, bytes)."""
         self._previous_inputs = 0
         self._produced: set[int] = set()
         self._saw_backward = False
@@ -172,18 +174,28 @@ class Session:
 
     def _model_persistent_bytes(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None
                                 ) -> int:
+        self._weight_storage = {}
         if tensors is None:
             model = self._model() if self._model is not None else None
             if model is None:
                 return 0
             tensors = parameters_and_buffers(model)
         seen: dict[int, int] = {}
-        for t in tensors[0] + tensors[1]:
-            if self.config.offload_weights and isinstance(t, nn.Parameter):
-                continue
-            for x in (t, t.grad):
-                if x is not None:
-                    s = x.untyped_storage()
+        # Each weight's storage is also what every region run of the step counts (``_persistent``): kept by
+        # the tensor's id, valid for the step (the model holds its weights), so those runs need not ask again.
+        known = self._weight_storage = {}
+        offloaded = self.config.offload_weights
+        for group in tensors:
+            for t in group:
+                if offloaded and isinstance(t, nn.Parameter):
+                    continue
+                s = t.untyped_storage()
+                pointer, nbytes = s.data_ptr(), s.nbytes()
+                seen[pointer] = nbytes
+                known[id(t)] = (pointer, nbytes)
+                grad = t.grad
+                if grad is not None:
+                    s = grad.untyped_storage()
                     seen[s.data_ptr()] = s.nbytes()
         return sum(seen.values())
 
@@ -191,11 +203,15 @@ class Session:
         """Bytes on the device all step long (weights and buffers, and the inputs no earlier run produced: the
         batch the caller holds), and how many of them this run's own problem already counts."""
         storages = []  # (pointer, bytes) of every argument this accounting covers; one pass, run every call
+        known = self._weight_storage
         for t, kind in zip(args, region.kinds):
             if not isinstance(t, torch.Tensor) or (kind == "param" and self.config.offload_weights):
                 continue
-            s = t.untyped_storage()
-            pointer, nbytes = s.data_ptr(), s.nbytes()
+            hit = known.get(id(t)) if kind in ("param", "buffer") else None
+            if hit is None:
+                s = t.untyped_storage()
+                hit = (s.data_ptr(), s.nbytes())
+            pointer, nbytes = hit
             storages.append((pointer, nbytes))
             if kind in ("param", "buffer"):
                 self._seen[pointer] = nbytes
