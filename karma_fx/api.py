@@ -135,24 +135,24 @@ COST_MODELS = ("roofline", "measured")
 def measure_costs(step: CapturedStep, problem: Problem, primals: list, *, allow_offload: bool = True) -> Costs:
     """``costs="measured"``: run the captured step once for real on the tensors ``primals`` (node by node, the
     RNG restored) and time each op, and measure the copy ops' speed on that device."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     from karma_fx.costs import measured_costs
     from karma_fx.device import measure_copy_issue_us, measure_copy_speed
     from karma_fx.passes.measure import time_joint
-
     from karma_fx.runtime import cpu_copies_are_synchronous
 
     device = next((t.device for t in primals if hasattr(t, "device")), None)
-    d2h, h2d, latency = measure_copy_speed(device if device is not None else "cpu")
+    # The compile path calls this inside the partitioner, under its fake mode: the copy ops must be timed on
+    # real memory (under it they copied nothing, and read as 381 GB/s on a CPU that copies 8 to 18).
+    with _disable_current_modes():
+        d2h, h2d, latency = measure_copy_speed(device if device is not None else "cpu")
+        issue_us = measure_copy_issue_us(device if device is not None else "cpu")
     on_cpu = device is None or device.type == "cpu"
     blocking = on_cpu and cpu_copies_are_synchronous()
-    # A CPU's copy thread shares memory bandwidth with compute, so there the ops are timed a second time with a
-    # copy running (on a 2-core machine a 3x3 convolution took 14% longer, a GEMM no longer). A GPU's copy
-    # engines slow kernels far less, and nothing times that here.
-    copying = time_joint(step, primals, copying=True) if on_cpu and not blocking and allow_offload else None
     return measured_costs(problem, time_joint(step, primals), d2h_bytes_per_us=d2h, h2d_bytes_per_us=h2d,
                           copy_latency_us=latency, device=f"measured on {device}", allow_offload=allow_offload,
-                          copies_block_compute=blocking, node_time_copying_us=copying,
-                          copy_issue_us=measure_copy_issue_us(device if device is not None else "cpu"))
+                          copies_block_compute=blocking, copy_issue_us=issue_us)
 
 
 def measured_scratch(step: CapturedStep, problem: Problem, primals: list) -> Problem:

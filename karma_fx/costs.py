@@ -39,23 +39,12 @@ class Costs:
     """Compute time each copy costs the thread that issues it (the copy op's call and the wait for it), µs:
     on a CPU with threaded copies, the runtime's own Python; 0 where the host issues copies ahead of the
     kernels (a GPU) or a copy's latency already holds it (a CPU copying synchronously)."""
-    op_drag_us: tuple[float, ...] = ()
-    """How much longer each op takes while a copy runs beside it for its whole length (µs, aligned with
-    ``Problem.ops``; empty: copies slow no op). A copy engine that shares memory bandwidth with compute, such
-    as a CPU's copy thread, slows memory-bound kernels; the simulator charges each op this in proportion to
-    how much of it a copy overlaps. ``costs="measured"`` measures it on a CPU with threaded copies."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_time_us", tuple(float(t) for t in self.op_time_us))
         bad = [t for t in self.op_time_us if not (0 <= t < math.inf)]
         if bad:
             raise ValueError(f"op times must be finite and non-negative, got {bad[:3]}")
-        object.__setattr__(self, "op_drag_us", tuple(float(t) for t in self.op_drag_us))
-        if self.op_drag_us and len(self.op_drag_us) != len(self.op_time_us):
-            raise ValueError(f"op_drag_us has {len(self.op_drag_us)} entries for {len(self.op_time_us)} ops")
-        bad = [t for t in self.op_drag_us if not (0 <= t < math.inf)]
-        if bad:
-            raise ValueError(f"op drags must be finite and non-negative, got {bad[:3]}")
         for attr in ("d2h_bytes_per_us", "h2d_bytes_per_us"):
             value = getattr(self, attr)
             if not value > 0:  # inf is allowed: copies that cost only their latency
@@ -122,16 +111,10 @@ def estimate_costs(problem: Problem, device: Union[DeviceSpec, str, None] = None
 def measured_costs(problem: Problem, node_time_us: dict[str, float], *, d2h_bytes_per_us: float,
                    h2d_bytes_per_us: float, copy_latency_us: float, device: str,
                    allow_offload: bool = True, copies_block_compute: bool = False,
-                   node_time_copying_us: dict[str, float] | None = None, copy_issue_us: float = 0.0) -> Costs:
+                   copy_issue_us: float = 0.0) -> Costs:
     """Costs from times measured on the device at hand (``karma_fx.passes.measure.time_joint``) and its
-    measured copy bandwidth: what ``costs="measured"`` plans with. An op not timed (none in practice) costs 0.
-    ``node_time_copying_us``: the same ops timed with a copy running beside them; each op's drag is how much
-    longer it took (never below zero)."""
-    times = tuple(node_time_us.get(op.name, 0.0) for op in problem.ops)
-    drag: tuple[float, ...] = ()
-    if node_time_copying_us is not None:
-        drag = tuple(max(0.0, node_time_copying_us.get(op.name, base) - base)
-                     for op, base in zip(problem.ops, times))
-    return Costs(op_time_us=times, d2h_bytes_per_us=d2h_bytes_per_us, h2d_bytes_per_us=h2d_bytes_per_us,
+    measured copy bandwidth: what ``costs="measured"`` plans with. An op not timed (none in practice) costs 0."""
+    return Costs(op_time_us=tuple(node_time_us.get(op.name, 0.0) for op in problem.ops),
+                 d2h_bytes_per_us=d2h_bytes_per_us, h2d_bytes_per_us=h2d_bytes_per_us,
                  copy_latency_us=copy_latency_us, device=device, allow_offload=allow_offload,
-                 copies_block_compute=copies_block_compute, op_drag_us=drag, copy_issue_us=copy_issue_us)
+                 copies_block_compute=copies_block_compute, copy_issue_us=copy_issue_us)

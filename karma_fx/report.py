@@ -76,7 +76,7 @@ def chrome_trace(timeline: Timeline, name: str = "karma_fx") -> dict[str, Any]:
         "displayTimeUnit": "ms",
         "otherData": {"peak_bytes": int(timeline.peak_bytes), "makespan_us": float(timeline.makespan_us),
                       "stall_us": float(timeline.stall_us), "recompute_us": float(timeline.recompute_us),
-                      "drag_us": float(timeline.drag_us), "issue_us": float(timeline.issue_us),
+                      "issue_us": float(timeline.issue_us),
                       "host_peak_bytes": int(timeline.host_peak_bytes)},
     }
 

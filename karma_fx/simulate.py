@@ -68,8 +68,6 @@ class Timeline:
     """The op (or recompute of it) during which the peak occurs."""
     peak_storages: tuple[tuple[str, int], ...] = ()
     """(storage, bytes) resident at the peak, largest first: what a better plan would have to move."""
-    drag_us: float = 0.0
-    """Compute time added by copies running beside ops (``Costs.op_drag_us``)."""
     issue_us: float = 0.0
     """Compute time spent issuing copies and waiting on them (``Costs.copy_issue_us``)."""
 
@@ -555,7 +553,6 @@ class _Streams:
     host_events: list[tuple[float, int]]  # (time, bytes arriving on the host (+) or leaving it (-))
     makespan_us: float
     d2h_end: dict[int, float]  # id(offload decision) → when its copy has landed
-    drag_us: float = 0.0
     issue_us: float = 0.0
 
 
@@ -568,7 +565,6 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
     op_time = costs.op_time_us
     copy_time = costs.copy_time_us
     blocking = costs.copies_block_compute
-    drag = costs.op_drag_us
     issue = costs.copy_issue_us
     prefetch_item, wait_before_item = events.prefetch_item, events.wait_before_item
     release_before_item, offload_after_op = events.release_before_item, events.offload_after_op
@@ -581,7 +577,7 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
     n_items = len(item_op)
     start_us = [0.0] * n_items
     t = d2h_free = h2d_free = 0.0
-    stall_total = recompute_total = drag_total = issue_total = 0.0
+    stall_total = recompute_total = issue_total = 0.0
     stall_at_op = [0.0] * len(problem.ops)
     host_events: list[tuple[float, int]] = []
     for k in range(n_items):
@@ -616,18 +612,10 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
         start_us[k] = t
         op = item_op[k]
         duration = op_time[op]
-        if drag and duration > 0:
-            # Every copy queued so far was issued by now and runs back to back on its stream (but for a
-            # prefetch that waits for its own offload), so copies run from this op's start to the later end.
-            overlap = min(duration, max(d2h_free, h2d_free) - t)
-            if overlap > 0:
-                added = drag[op] * overlap / duration
-                duration += added
-                drag_total += added
         if item_rc[k] is not None:
             if intervals:
                 compute.append(Interval(names[op], t, t + duration, "recompute"))
-            recompute_total += op_time[op]
+            recompute_total += duration
             t += duration
             continue
         if intervals:
@@ -668,7 +656,7 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                     stall_total += waited
                     stall_at_op[group_of[k]] += waited
     return _Streams(compute, d2h, h2d, start_us, stall_at_op, stall_total, recompute_total, host_events,
-                    max(t, d2h_free, h2d_free), d2h_end, drag_total, issue_total)
+                    max(t, d2h_free, h2d_free), d2h_end, issue_total)
 
 
 def _issuing(compute: list[Interval], tensor: str, t: float, issue: float, intervals: bool) -> float:
@@ -739,7 +727,7 @@ def _timeline(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, s
                     memory=tuple(memory), peak_bytes=peak, makespan_us=streams.makespan_us,
                     compute_us=sum(costs.op_time_us), recompute_us=streams.recompute_us, stall_us=streams.stall_us,
                     host_peak_bytes=host_peak, rows=rows, peak_op=peak_op, peak_storages=tuple(at_peak),
-                    drag_us=streams.drag_us, issue_us=streams.issue_us)
+                    issue_us=streams.issue_us)
 
 
 def _schedule_rows(problem: Problem, memory: list[tuple[float, int]],

@@ -152,12 +152,9 @@ _NODE_TAG = "karma_fx.node:"
 """Prefix of the ``record_function`` range around each node, by which profiler events are tied to nodes."""
 
 
-def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3, *,
-               copying: bool = False) -> dict[str, float]:
+def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
     """Run ``step.joint`` for real ``repeats`` times and return each node's time in µs: on a CPU its median
     wall time, on CUDA the GPU time of the kernels it launched (``_cuda_kernel_times``, which says why).
-    ``copying=True`` (CPU only) times the nodes while another thread copies host memory without pause, as the
-    copy worker does while a plan's swaps run: how much slower each op gets is its drag (``Costs.op_drag_us``).
 
     The RNG state is restored afterwards, so timing a step changes no dropout mask of the training that
     follows; the joint graph is functional, so no parameter or buffer is updated."""
@@ -166,8 +163,6 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
     import time
 
     if any(t.is_cuda for t in primals):
-        if copying:
-            raise ValueError("time_joint(copying=True) measures a CPU's copy thread; CUDA copies are not timed so")
         return _cuda_kernel_times(step, primals, repeats)
     samples: dict[str, list[float]] = {}
 
@@ -185,7 +180,7 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
     gc.collect()
     gc.disable()
     try:
-        with torch.random.fork_rng(devices=[]), (_copy_running() if copying else contextlib.nullcontext()):
+        with torch.random.fork_rng(devices=[]):
             _run_joint(step, primals, lambda node: contextlib.nullcontext())
             for _ in range(repeats):
                 _run_joint(step, primals, timed)
@@ -193,33 +188,6 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
         if enabled:
             gc.enable()
     return {name: statistics.median(values) for name, values in samples.items()}
-
-
-@contextlib.contextmanager
-def _copy_running(nbytes: int = 32 << 20) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Another thread copies ``nbytes`` of host memory over and over until the block ends: a plain ``copy_``
-    of the size the copy ops move, which releases the GIL while it copies, as the runtime's copy worker does.
-    Yields the two buffers."""
-    import threading
-
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():  # called under the partitioner's fake mode: these must be real memory
-        source, target = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-        source.fill_(1)
-    stop = threading.Event()
-
-    def copy_until_stopped() -> None:
-        while not stop.is_set():
-            target.copy_(source)
-
-    worker = threading.Thread(target=copy_until_stopped, name="karma-drag-copy", daemon=True)
-    worker.start()
-    try:
-        yield source, target
-    finally:
-        stop.set()
-        worker.join()
 
 
 def _cuda_kernel_times(step: CapturedStep, primals: list[torch.Tensor], repeats: int) -> dict[str, float]:

@@ -152,29 +152,6 @@ def test_copies_on_the_compute_thread_add_their_time():
     assert blocking.peak_bytes <= overlapped.peak_bytes
 
 
-def test_copies_slow_only_the_ops_they_run_beside():
-    """``Costs.op_drag_us``: an op is charged its drag in proportion to how much of it a copy overlaps. A's
-    offload runs beside f1 and its reload beside b2, so only those two ops grow; a drag on `loss`, which no
-    copy overlaps, costs nothing."""
-    import dataclasses
-
-    problem = chain_problem()
-    costs = flat_costs(problem, op_us=10.0, bytes_per_us=100.0)
-    plan = [Offload("A", offload_after="f0", free_after="f1", prefetch_at="b2", reload_before="b1")]
-    assert simulate(problem, plan, costs).makespan_us == 60.0
-    everywhere = simulate(problem, plan, dataclasses.replace(costs, op_drag_us=[5.0] * 6))
-    assert everywhere.makespan_us == 70.0 and everywhere.drag_us == 10.0
-    grown = {iv.label: iv.end_us - iv.start_us for iv in everywhere.compute}
-    assert grown == {"f0": 10.0, "f1": 15.0, "loss": 10.0, "b2": 15.0, "b1": 10.0, "gw": 10.0}
-    beside_nothing = simulate(problem, plan, dataclasses.replace(costs, op_drag_us=[0, 0, 5.0, 0, 0, 0]))
-    assert beside_nothing.makespan_us == 60.0 and beside_nothing.drag_us == 0.0
-    assert simulate(problem, [], dataclasses.replace(costs, op_drag_us=[5.0] * 6)).makespan_us == 60.0
-    with pytest.raises(ValueError, match="entries"):
-        dataclasses.replace(costs, op_drag_us=[1.0])
-    with pytest.raises(ValueError, match="drags"):
-        dataclasses.replace(costs, op_drag_us=[-1.0] * 6)
-
-
 def test_issuing_a_copy_takes_compute_time():
     """``Costs.copy_issue_us``: each copy costs the issuing thread that much, at the op that issues it, and
     the copy starts only once issued."""
