@@ -261,7 +261,7 @@ def calibrate(device: Any = "cuda", *, size_mb: int = 256) -> DeviceSpec:
 
 def measure_copy_speed(device: Any) -> tuple[float, float, float]:
     """(D2H bytes/µs, H2D bytes/µs, latency µs) of the karma copy ops on ``device`` as they run here: on CUDA
-    ``calibrate()``'s pinned-copy figures; on a CPU the ops' own time for a 32 MiB and a 4-byte tensor (host
+    ``calibrate()``'s pinned-copy figures; on a CPU the ops' own time for a 16 MiB and a 4-byte tensor (host
     memory to host memory, with the runtime's pool and dispatch overhead in the latency)."""
     import time
 
@@ -283,7 +283,10 @@ def measure_copy_speed(device: Any) -> tuple[float, float, float]:
             times.append((time.perf_counter() - start) * 1e6)
         return sorted(times)[len(times) // 2]
 
-    big, small = torch.empty(8 << 20), torch.empty(1)
+    # 16 MiB: glibc maps blocks of 32 MiB and more afresh on every allocation, even with freed memory kept
+    # (``runtime.keep_freed_host_memory``), and a prefetch allocates its target: at 32 MiB the page faults
+    # made host-to-device read 2.4 GB/s, at 16 MiB 11.4 GB/s, the speed the step's smaller tensors see.
+    big, small = torch.empty(4 << 20), torch.empty(1)
     latency = median_us(lambda: torch.ops.karma.wait(torch.ops.karma.prefetch(torch.ops.karma.offload(small), dev)),
                         21) / 2
     # Each copy is waited for: with the copies on a worker thread (``KARMA_CPU_COPIES=threads``) the offload
