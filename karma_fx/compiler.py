@@ -166,7 +166,7 @@ class KarmaModule(nn.Module):
         session.begin_step((params, buffers))
         # Each compiled module has its own backend, so Dynamo keeps one cache entry per module on the model
         # class's code; past its recompile limit it would run the model eagerly, unplanned, without a word.
-        # Raised by hand for the call, not with ``config.patch``: that builds a class on every call, a third
+        # Raised by hand for the call, not with ``config.patch``: that builds a class on every call, a quarter
         # of this method's own time on a small model.
         dynamo_config = torch._dynamo.config
         limit = dynamo_config.recompile_limit

@@ -215,7 +215,7 @@ def keep_freed_host_memory() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    return all([mallopt(m_mmap_threshold, 32 << 20) == 1,  # glibc's largest: blocks up to 32 MiB reuse the heap
+    return all([mallopt(m_mmap_threshold, 32 << 20) == 1,  # glibc's largest: blocks under 32 MiB reuse the heap
                 mallopt(m_trim_threshold, (1 << 31) - 1) == 1,  # and the heap is never shrunk
                 mallopt(m_top_pad, 64 << 20) == 1])
 
