@@ -183,7 +183,7 @@ class Session:
         seen: dict[int, int] = {}
         # Each weight's storage is also what every region run of the step counts (``_persistent``): kept by
         # the tensor's id, valid for the step (the model holds its weights), so those runs need not ask again.
-        known = self._weight_storage = {}
+        known = self._weight_storage
         offloaded = self.config.offload_weights
         for group in tensors:
             for t in group:

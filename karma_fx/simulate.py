@@ -553,7 +553,6 @@ class _Streams:
     host_events: list[tuple[float, int]]  # (time, bytes arriving on the host (+) or leaving it (-))
     makespan_us: float
     d2h_end: dict[int, float]  # id(offload decision) → when its copy has landed
-    issue_us: float = 0.0
 
 
 def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, stays: _Stays, static: _Static, *,
@@ -577,7 +576,7 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
     n_items = len(item_op)
     start_us = [0.0] * n_items
     t = d2h_free = h2d_free = 0.0
-    stall_total = recompute_total = issue_total = 0.0
+    stall_total = recompute_total = 0.0
     stall_at_op = [0.0] * len(problem.ops)
     host_events: list[tuple[float, int]] = []
     for k in range(n_items):
@@ -587,7 +586,6 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                 size = size_of[d.tensor]
                 if issue:
                     t = _issuing(compute, d.tensor, t, issue, intervals)
-                    issue_total += issue
                 begin = max(t, h2d_free, d2h_end.get(id(d), 0.0))  # the host copy must have landed
                 h2d_free = begin + copy_time(size, "h2d")
                 h2d_end[id(d)] = h2d_free
@@ -627,7 +625,6 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                 size = stays.size[inst]
                 if issue:
                     t = _issuing(compute, stays.storage[inst], t, issue, intervals)
-                    issue_total += issue
                 begin = max(t, d2h_free)
                 d2h_free = begin + copy_time(size, "d2h")
                 d2h.append(Interval(stays.storage[inst], begin, d2h_free, "offload"))
@@ -643,7 +640,6 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                 size = size_of[d.tensor]
                 if issue:
                     t = _issuing(compute, d.tensor, t, issue, intervals)
-                    issue_total += issue
                 begin = max(t, d2h_free)
                 d2h_free = begin + copy_time(size, "d2h")
                 d2h.append(Interval(d.tensor, begin, d2h_free, "offload"))
@@ -656,7 +652,7 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                     stall_total += waited
                     stall_at_op[group_of[k]] += waited
     return _Streams(compute, d2h, h2d, start_us, stall_at_op, stall_total, recompute_total, host_events,
-                    max(t, d2h_free, h2d_free), d2h_end, issue_total)
+                    max(t, d2h_free, h2d_free), d2h_end)
 
 
 def _issuing(compute: list[Interval], tensor: str, t: float, issue: float, intervals: bool) -> float:
@@ -727,7 +723,7 @@ def _timeline(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, s
                     memory=tuple(memory), peak_bytes=peak, makespan_us=streams.makespan_us,
                     compute_us=sum(costs.op_time_us), recompute_us=streams.recompute_us, stall_us=streams.stall_us,
                     host_peak_bytes=host_peak, rows=rows, peak_op=peak_op, peak_storages=tuple(at_peak),
-                    issue_us=streams.issue_us)
+                    issue_us=costs.copy_issue_us * (len(streams.d2h) + len(streams.h2d)))  # one charge a copy
 
 
 def _schedule_rows(problem: Problem, memory: list[tuple[float, int]],
