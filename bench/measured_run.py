@@ -22,6 +22,11 @@ GPU's caching allocator keeps device memory; with its defaults every large tenso
 thread running beside compute makes dearer still. The peak is measured with synchronous copies (frees where the
 plan puts them) and checked against the budget, and with the copies as timed (compute waits for each swap-out
 where the plan has it landed, so a copy later than modelled costs a stall there, not memory).
+
+Each model's first row is its unplanned step (strategy ``keep`` at its own peak), and that step runs again
+beside every planned step, one step each in turn: this machine's speed drifts by several percent over minutes, so
+the last two columns set the plan's predicted cost over the unplanned step against its measured cost over the
+unplanned step measured beside it, which the drift leaves out.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import copy
 import statistics
 import time
 import warnings
+from typing import Any
 
 import torch
 from tabulate import tabulate
@@ -69,40 +75,57 @@ def peaks(a: argparse.Namespace) -> list[list]:
     return rows
 
 
+def _step_ms(model: torch.nn.Module, step: Any, args: tuple, kwargs: dict) -> float:
+    start = time.perf_counter()
+    output_to_loss(step(*args, **kwargs)).backward()
+    model.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) * 1e3
+
+
 def times(a: argparse.Namespace) -> list[list]:
+    """One row per medium model x strategy, and first one for the unplanned step (strategy ``keep``, nothing
+    moved). The unplanned step runs interleaved with each planned one, step for step: this machine's speed
+    drifts by several percent over minutes, and the planned step's cost over the unplanned one measured beside
+    it is free of that drift, so the last two columns show how well the plan's own cost is predicted."""
     from karma_fx.budget import format_bytes
     from karma_fx.runtime import copy_mode
 
     rows = []
     for name in a.medium.split(","):
-        for strategy in a.strategies.split(","):
-            model, args, kwargs = MEDIUM[name]()
-            step = karma_fx.compile(model, budget=a.fraction, strategy=strategy, costs="measured",
-                                    time_limit_s=30)
+        base_model, base_args, base_kwargs = MEDIUM[name]()
+        base = karma_fx.compile(base_model, budget=1.0, strategy="keep", costs="measured")
+        for strategy in ["unplanned"] + a.strategies.split(","):
+            if strategy == "unplanned":
+                model, args, kwargs, step = base_model, base_args, base_kwargs, base
+            else:
+                model, args, kwargs = MEDIUM[name]()
+                step = karma_fx.compile(model, budget=a.fraction, strategy=strategy, costs="measured",
+                                        time_limit_s=30)
             with copy_mode(a.copies):
                 try:
                     for _ in range(2):
-                        output_to_loss(step(*args, **kwargs)).backward()
-                        model.zero_grad(set_to_none=True)
+                        _step_ms(model, step, args, kwargs)
+                        _step_ms(base_model, base, base_args, base_kwargs)
                 except InfeasibleBudgetError:
-                    rows.append([name, strategy, "infeasible"] + [""] * 7)
+                    rows.append([name, strategy, "infeasible"] + [""] * 9)
                     continue
-                measured = []
+                measured, beside = [], []
                 for _ in range(a.steps):
-                    start = time.perf_counter()
-                    output_to_loss(step(*args, **kwargs)).backward()
-                    measured.append((time.perf_counter() - start) * 1e3)
-                    model.zero_grad(set_to_none=True)
+                    measured.append(_step_ms(model, step, args, kwargs))
+                    beside.append(_step_ms(base_model, base, base_args, base_kwargs))
                 threaded_peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
             model.zero_grad(set_to_none=True)
             output_to_loss(step(*args, **kwargs)).backward()  # a step with synchronous copies first
             peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
+            model.zero_grad(set_to_none=True)
             plan = step.plan
             ms = statistics.median(measured)
             predicted = plan.step_time_us / 1e3
             rows.append([name, strategy, format_bytes(plan.budget_bytes), f"{predicted:.1f}", f"{ms:.1f}",
                          f"{ms / predicted - 1:+.1%}", format_bytes(plan.peak_bytes), format_bytes(peak),
-                         "yes" if peak <= plan.budget_bytes else "NO", format_bytes(threaded_peak)])
+                         "yes" if peak <= plan.budget_bytes else "NO", format_bytes(threaded_peak),
+                         f"{plan.slowdown - 1:+.1%}",
+                         f"{ms / statistics.median(beside) - 1:+.1%}"])
     return rows
 
 
@@ -132,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = times(a)
         print(tabulate(rows, headers=["model", "strategy", "budget", "predicted ms", "measured ms", "error",
                                       "simulated peak", "measured peak", "peak <= budget",
-                                      f"peak, {a.copies} copies"], tablefmt="github"))
+                                      f"peak, {a.copies} copies", "over unplanned: predicted",
+                                      "measured (interleaved)"], tablefmt="github"))
     else:
         print(tabulate(peaks(a), headers=["model (tiny)", "strategy", "budget B", "simulated peak B",
                                           "measured peak B", "measured / simulated"], tablefmt="github"))

@@ -259,10 +259,14 @@ def calibrate(device: Any = "cuda", *, size_mb: int = 256) -> DeviceSpec:
     )
 
 
-def measure_copy_speed(device: Any) -> tuple[float, float, float]:
+def measure_copy_speed(device: Any, issue_us: float = 0.0) -> tuple[float, float, float]:
     """(D2H bytes/µs, H2D bytes/µs, latency µs) of the karma copy ops on ``device`` as they run here: on CUDA
     ``calibrate()``'s pinned-copy figures; on a CPU the ops' own time for a 16 MiB and a 4-byte tensor (host
-    memory to host memory, with the runtime's pool and dispatch overhead in the latency)."""
+    memory to host memory, with the runtime's pool and dispatch overhead in the latency).
+
+    ``issue_us`` is the compute thread's share of a copy that the cost model charges on its own
+    (``measure_copy_issue_us``): a 4-byte copy's round trip holds it, and it is taken out of the latency, which
+    the model charges to the copy engine. Left in, a copy that compute waits for was charged it twice."""
     import time
 
     import torch
@@ -287,15 +291,17 @@ def measure_copy_speed(device: Any) -> tuple[float, float, float]:
     # (``runtime.keep_freed_host_memory``), and a prefetch allocates its target: at 32 MiB the page faults
     # made host-to-device read 2.4 GB/s, at 16 MiB 11.4 GB/s, the speed the step's smaller tensors see.
     big, small = torch.empty(4 << 20), torch.empty(1)
-    latency = median_us(lambda: torch.ops.karma.wait(torch.ops.karma.prefetch(torch.ops.karma.offload(small), dev)),
-                        21) / 2
+    karma = torch.ops.karma
+    round_trip = median_us(lambda: karma.wait(karma.prefetch(karma.offload(small), dev)), 21) / 2
     # Each copy is waited for: with the copies on a worker thread (``KARMA_CPU_COPIES=threads``) the offload
     # call returns as soon as the copy is queued, and timing the call alone read as petabytes per second.
-    d2h = median_us(lambda: torch.ops.karma.wait(torch.ops.karma.offload(big)), 5)
-    host = torch.ops.karma.offload(big)
-    h2d = median_us(lambda: torch.ops.karma.wait(torch.ops.karma.prefetch(host, dev)), 5)
+    d2h = median_us(lambda: karma.wait(karma.offload(big)), 9)
+    host = karma.offload(big)
+    h2d = median_us(lambda: karma.wait(karma.prefetch(host, dev)), 9)
     nbytes = big.numel() * big.element_size()
-    return nbytes / max(d2h - latency, 1e-3), nbytes / max(h2d - latency, 1e-3), latency
+    # Each big copy's time holds the same round trip as the small one: what is left is moving the bytes.
+    return (nbytes / max(d2h - round_trip, 1e-3), nbytes / max(h2d - round_trip, 1e-3),
+            max(round_trip - issue_us, 0.0))
 
 
 def measure_copy_issue_us(device: Any) -> float:
