@@ -147,7 +147,7 @@ def measure_costs(step: CapturedStep, problem: Problem, primals: list, *, allow_
     # real memory (under it they copied nothing, and read as 381 GB/s on a CPU that copies 8 to 18).
     with _disable_current_modes():
         issue_us = measure_copy_issue_us(device if device is not None else "cpu")
-        d2h, h2d, latency = measure_copy_speed(device if device is not None else "cpu", issue_us)
+        d2h, h2d, latency = measure_copy_speed(device if device is not None else "cpu")
     on_cpu = device is None or device.type == "cpu"
     blocking = on_cpu and cpu_copies_are_synchronous()
     return measured_costs(problem, time_joint(step, primals), d2h_bytes_per_us=d2h, h2d_bytes_per_us=h2d,

@@ -259,19 +259,19 @@ def calibrate(device: Any = "cuda", *, size_mb: int = 256) -> DeviceSpec:
     )
 
 
-def measure_copy_speed(device: Any, issue_us: float = 0.0) -> tuple[float, float, float]:
+def measure_copy_speed(device: Any) -> tuple[float, float, float]:
     """(D2H bytes/µs, H2D bytes/µs, latency µs) of the karma copy ops on ``device`` as they run here: on CUDA
     ``calibrate()``'s pinned-copy figures; on a CPU the ops' own time for a 16 MiB and a 4-byte tensor (host
     memory to host memory, with the runtime's pool and dispatch overhead in the latency).
 
-    ``issue_us`` is the compute thread's share of a copy that the cost model charges on its own
-    (``measure_copy_issue_us``): a 4-byte copy's round trip holds it, and it is taken out of the latency, which
-    the model charges to the copy engine. Left in, a copy that compute waits for was charged it twice."""
+    With the copies on a worker thread the latency is the copy engine's own: a 4-byte round trip less the time
+    the computing thread spends in the copy ops' calls and waits, which the cost model charges to compute on its
+    own (``measure_copy_issue_us``). Left in, a copy that compute waits for was charged it twice."""
     import time
 
     import torch
 
-    import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma
+    from karma_fx.runtime import cpu_copies_are_synchronous  # importing it registers torch.ops.karma
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -293,6 +293,24 @@ def measure_copy_speed(device: Any, issue_us: float = 0.0) -> tuple[float, float
     big, small = torch.empty(4 << 20), torch.empty(1)
     karma = torch.ops.karma
     round_trip = median_us(lambda: karma.wait(karma.prefetch(karma.offload(small), dev)), 21) / 2
+    if not cpu_copies_are_synchronous():
+        round_trip_calls = []
+        for _ in range(21):
+            start = time.perf_counter()
+            host = karma.offload(small)
+            issued = time.perf_counter()
+            time.sleep(0.001)  # landed by now: the wait then costs only its call
+            begin = time.perf_counter()
+            karma.wait(host)
+            back = karma.prefetch(host, dev)
+            issued_back = time.perf_counter()
+            time.sleep(0.001)
+            again = time.perf_counter()
+            karma.wait(back)
+            round_trip_calls.append((issued - start + issued_back - begin + time.perf_counter() - again) * 1e6)
+        engine_only = round_trip - sorted(round_trip_calls)[len(round_trip_calls) // 2] / 2
+    else:
+        engine_only = round_trip
     # Each copy is waited for: with the copies on a worker thread (``KARMA_CPU_COPIES=threads``) the offload
     # call returns as soon as the copy is queued, and timing the call alone read as petabytes per second.
     d2h = median_us(lambda: karma.wait(karma.offload(big)), 9)
@@ -300,18 +318,21 @@ def measure_copy_speed(device: Any, issue_us: float = 0.0) -> tuple[float, float
     h2d = median_us(lambda: karma.wait(karma.prefetch(host, dev)), 9)
     nbytes = big.numel() * big.element_size()
     # Each big copy's time holds the same round trip as the small one: what is left is moving the bytes.
-    return (nbytes / max(d2h - round_trip, 1e-3), nbytes / max(h2d - round_trip, 1e-3),
-            max(round_trip - issue_us, 0.0))
+    return nbytes / max(d2h - round_trip, 1e-3), nbytes / max(h2d - round_trip, 1e-3), max(engine_only, 0.0)
 
 
 def measure_copy_issue_us(device: Any) -> float:
-    """Compute-thread time one copy costs on ``device`` besides the copy itself, in µs: the copy op's call
-    and the ``wait`` for it once it has landed, for a 4 MiB tensor, averaged over the two directions.
+    """Compute time one copy costs on ``device`` besides the copy itself, in µs: what a stretch of compute
+    takes longer with a 4 MiB copy issued before it and waited for after it, averaged over the two directions.
 
     On a CPU with threaded copies (``copy_mode("threads")``) the thread that computes also runs the copy ops'
-    Python (the host pool, the hand-off to the worker, the bookkeeping that keeps sources alive): 0.2-0.4 ms a
-    copy on a 2-core machine, time the step pays in full. On a GPU the host issues copies ahead of the kernels
-    and, with copying synchronous on a CPU, the copies' measured latency already holds it: 0 for both."""
+    Python (the host pool, the hand-off to the worker, the bookkeeping that keeps sources alive) and the wait,
+    and the worker's share of the interpreter lock and of memory bandwidth is taken from it: 0.3-0.5 ms a copy
+    on a 2-core machine, time the step pays in full. Timing the calls alone, with nothing computing beside
+    them, read 0.15 ms, and a planned GPT step with 126 copies ran 30 ms over its prediction. On a GPU the host
+    issues copies ahead of the kernels and, with copying synchronous on a CPU, the copies' measured latency
+    already holds it: 0 for both."""
+    import statistics
     import time
 
     import torch
@@ -322,20 +343,26 @@ def measure_copy_issue_us(device: Any) -> float:
     if dev.type == "cuda" or cpu_copies_are_synchronous():
         return 0.0
     tensor = torch.empty(1 << 20)
+    square = torch.ones(384, 384)  # a matmul of ~1 ms here: long enough for the copy to land while it runs
     offload, prefetch, wait = torch.ops.karma.offload, torch.ops.karma.prefetch, torch.ops.karma.wait
 
-    def call_and_wait_us(issue: Any) -> float:
-        times = []
-        for _ in range(9):
+    def compute() -> None:
+        torch.mm(square, square)
+        torch.mm(square, square)
+
+    def lost_us(issue: Any) -> float:
+        lost = []
+        for _ in range(21):
+            start = time.perf_counter()
+            compute()
+            alone = time.perf_counter() - start
             start = time.perf_counter()
             out = issue()
-            issued = time.perf_counter()
-            time.sleep(0.002)  # long enough for the copy to land: only the call and the wait are timed
-            begin = time.perf_counter()
+            compute()
             wait(out)
-            times.append((issued - start + time.perf_counter() - begin) * 1e6)
-        return sorted(times)[len(times) // 2]
+            lost.append((time.perf_counter() - start - alone) * 1e6)
+        return statistics.median(lost)
 
     host = wait(offload(tensor))
-    return (call_and_wait_us(lambda: offload(tensor)) + call_and_wait_us(lambda: prefetch(host, dev))) / 2
-
+    lost_us(lambda: prefetch(host, dev))  # warm up the pool, the workers and the matmul
+    return max((lost_us(lambda: offload(tensor)) + lost_us(lambda: prefetch(host, dev))) / 2, 0.0)

@@ -91,10 +91,10 @@ def test_copy_speed_counts_the_copy_not_its_queueing(mode):
         held = [torch.ops.karma.wait(torch.ops.karma.offload(torch.ones(8 << 20))) for _ in range(8)]
         del held
         d2h, h2d, latency = measure_copy_speed("cpu")
-        # the compute thread's share, charged per copy on its own, is not charged again as latency
-        _, _, engine_only = measure_copy_speed("cpu", issue_us=10 * latency)
-    assert 0 < d2h < 1e6 and 0 < h2d < 1e6 and latency > 0
-    assert engine_only == 0.0
+    assert 0 < d2h < 1e6 and 0 < h2d < 1e6
+    # copying synchronously the latency holds the ops' calls; on a worker it is the engine's own, which a
+    # worker already awake can make nil
+    assert latency > 0 if mode == "sync" else latency >= 0
 
 
 def test_copy_ops_cost_compute_time_only_where_compute_runs_them():
