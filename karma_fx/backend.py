@@ -175,7 +175,8 @@ class KarmaBackend:
             from karma_fx.inductor import min_cut_partition
         partition = make_partition_fn(plan_fn, region.kinds, region.names, on_done,
                                       save_params=pipeline is not None,
-                                      keep_all=min_cut_partition if inductor else None)
+                                      keep_all=min_cut_partition if inductor else None,
+                                      dropout_backward=not inductor)
 
         def forward_compiler(graph: fx.GraphModule, _: Any) -> Any:
             return boxed_graph(graph)

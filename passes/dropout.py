@@ -2,8 +2,9 @@
 multiply (``karma_fx.dropout_ops``), so that the planner can rebuild a dropout output from its input and its
 1-byte mask instead of keeping it.
 
-The split graph computes what the original computes, bit for bit on a CPU, and draws the same masks; the
-backward (``native_dropout_backward(grad, mask, scale)``) is untouched.
+The split graph computes what the original computes, bit for bit on a CPU, and draws the same masks. The
+backward of a split dropout, ``native_dropout_backward(grad, mask, scale)``, becomes ``karma.dropout_backward``,
+the same product without the scratch ATen's CPU kernel allocates (``karma_fx.dropout_ops`` says why).
 
 Example::
 
@@ -17,7 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
-import karma_fx.dropout_ops  # noqa: F401 - registers torch.ops.karma.dropout_mask / masked_scale
+import karma_fx.dropout_ops  # noqa: F401 - registers torch.ops.karma.dropout_mask, masked_scale, ...
 
 
 def _splittable(node: fx.Node) -> bool:
@@ -29,8 +30,10 @@ def _splittable(node: fx.Node) -> bool:
     return isinstance(p, (int, float)) and 0 < p < 1 and train is not False and unpacked
 
 
-def split_dropout(joint: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``joint`` with every training-mode dropout split in two (``joint`` itself if there is none)."""
+def split_dropout(joint: fx.GraphModule, backward: bool = True) -> fx.GraphModule:
+    """A copy of ``joint`` with every training-mode dropout split in two (``joint`` itself if there is none).
+    ``backward``: also make each split dropout's backward ``karma.dropout_backward``; not for a graph that
+    Inductor compiles, which fuses ``native_dropout_backward`` into its neighbours (a custom op it cannot)."""
     if not any(_splittable(n) for n in joint.graph.nodes):
         return joint
     # A new graph over the same module: a deep copy would copy the module's (fake) tensor constants.
@@ -55,6 +58,15 @@ def split_dropout(joint: fx.GraphModule) -> fx.GraphModule:
                 items[index].replace_all_uses_with(new)
                 graph.erase_node(items[index])
         graph.erase_node(node)
+    for node in list(graph.nodes) if backward else ():
+        if (node.op == "call_function" and node.target is torch.ops.aten.native_dropout_backward.default
+                and len(node.args) == 3 and not node.kwargs
+                and getattr(node.args[1], "target", None) is torch.ops.karma.dropout_mask.default):
+            with graph.inserting_before(node):
+                grad = graph.call_function(torch.ops.karma.dropout_backward.default, node.args)
+            grad.meta.update(node.meta)
+            node.replace_all_uses_with(grad)
+            graph.erase_node(node)
     graph.lint()
     joint.recompile()
     return joint

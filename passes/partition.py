@@ -26,20 +26,23 @@ PlanFn = Callable[[Problem, CapturedStep], Plan]
 
 def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
                       on_done: Callable[[Problem, Plan, fx.GraphModule, fx.GraphModule], None],
-                      save_params: bool = False, keep_all: Callable | None = None) -> Callable:
+                      save_params: bool = False, keep_all: Callable | None = None,
+                      dropout_backward: bool = True) -> Callable:
     """A ``partition_fn`` that plans with ``plan_fn`` and reports the result to ``on_done``.
     ``keep_all``: the partitioner of a plan that moves nothing (default: PyTorch's default partitioner, as
     ``aot_eager`` uses; Inductor's min-cut partitioner under ``compiler="inductor"``, so that such a step is
     exactly ``torch.compile``'s).
     ``save_params``: route each parameter's gradient through a ``hand_over`` marker that also reads the
     parameter (``hand_over_gradients``), so that the gradient pipeline learns which parameter a gradient belongs
-    to; saving a parameter for the backward costs no memory, it lives all step anyway."""
+    to; saving a parameter for the backward costs no memory, it lives all step anyway.
+    ``dropout_backward``: see ``split_dropout``'s ``backward`` (off for graphs that Inductor compiles)."""
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **options: Any):
         # Planned on the graph with each dropout split into mask and multiply (what plan() captures), so a
         # dropout output can be rebuilt; a plan that moves nothing still partitions PyTorch's own graph.
-        step = CapturedStep(joint=split_dropout(joint), primal_kinds=primal_kinds, primal_names=primal_names,
-                            num_fwd_outputs=num_fwd_outputs, output_names=(), joint_inputs=joint_inputs)
+        step = CapturedStep(joint=split_dropout(joint, dropout_backward), primal_kinds=primal_kinds,
+                            primal_names=primal_names, num_fwd_outputs=num_fwd_outputs, output_names=(),
+                            joint_inputs=joint_inputs)
         problem = build_problem(step)
         plan = plan_fn(problem, step)
         if plan.decisions or save_params:

@@ -26,6 +26,53 @@ def test_split_ops_draw_and_round_like_native_dropout(dtype):
     assert torch.equal(out, out2)
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_karma_multiplies_equal_aten_bit_for_bit_on_any_value(dtype, p):
+    """Chunked on a CPU (more elements than one chunk here), signed zeros, NaNs and infinities included: the
+    forward rebuild rounds as ``native_dropout`` (scale in the data's dtype) and the backward as
+    ``native_dropout_backward`` (scale in the compute dtype); in bf16 and fp16 the two differ at p=0.1."""
+    from karma_fx.dropout_ops import _CHUNK
+
+    x = torch.randn(3 * _CHUNK + 5).to(dtype)
+    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, -1.0]).to(dtype)
+    torch.manual_seed(3)
+    out, mask = torch.ops.aten.native_dropout(x, p, True)
+    assert _same_bits(torch.ops.karma.masked_scale(x, mask, 1 / (1 - p)), out)
+    mask[:6] = False  # the special values dropped too
+    out = x.mul(mask.to(dtype).mul_(1 / (1 - p)))  # native_dropout's own product, on this mask
+    assert _same_bits(torch.ops.karma.masked_scale(x, mask, 1 / (1 - p)), out)
+    grad = torch.ops.aten.native_dropout_backward(x, mask, 1 / (1 - p))
+    assert _same_bits(torch.ops.karma.dropout_backward(x, mask, 1 / (1 - p)), grad)
+    strided, strided_mask = x[:5000].view(-1, 5)[:, :3], mask[:5000].view(-1, 5)[:, :3]  # ATen's own product
+    assert _same_bits(torch.ops.karma.dropout_backward(strided, strided_mask, 2.0),
+                      torch.ops.aten.native_dropout_backward(strided, strided_mask, 2.0))
+
+
+def test_karma_multiplies_allocate_no_mask_sized_scratch_on_a_cpu():
+    """ATen's CPU kernels multiply by a copy of the mask in the data's dtype, as large as their output; the
+    karma ops' scratch is one chunk's, which the allocator's own events show."""
+    from karma_fx.dropout_ops import _CHUNK
+    from karma_fx.measure_run import AllocatorPeak
+
+    grad, mask = torch.randn(16 * _CHUNK), torch.rand(16 * _CHUNK) > 0.1
+    output = grad.numel() * grad.element_size()
+
+    def above_inputs(fn) -> int:
+        with AllocatorPeak([grad, mask]) as live:
+            fn()
+        return live.peak_bytes - live.baseline_bytes
+
+    assert above_inputs(lambda: torch.ops.aten.native_dropout_backward(grad, mask, 1.25)) >= 2 * output
+    assert above_inputs(lambda: torch.ops.karma.dropout_backward(grad, mask, 1.25)) <= output + 4 * _CHUNK
+    assert above_inputs(lambda: torch.ops.karma.masked_scale(grad, mask, 1.25)) <= output + 4 * _CHUNK
+
+
 def test_mask_op_consumes_the_random_stream_like_native_dropout():
     x = torch.randn(64, 64)
     torch.manual_seed(1)
@@ -63,6 +110,31 @@ def test_training_dropout_is_split_and_eval_dropout_is_left_alone():
     g.output((g.call_function(__import__("operator").getitem, (nd, 0)),))
     gm = fx.GraphModule(torch.nn.Module(), g)
     assert split_dropout(gm) is gm  # eval-mode dropout is deterministic already
+
+
+def test_a_split_dropouts_backward_is_karmas_except_for_inductor():
+    """Captured for the eager runtime, a split dropout's backward is ``karma.dropout_backward``; for a graph
+    that Inductor compiles (``backward=False``) it stays ``native_dropout_backward``, which Inductor fuses."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from karma_fx.passes.capture import capture
+
+    model, args, kwargs = _gpt()
+    targets = {n.target for n in capture(model, args, kwargs).joint.graph.nodes}
+    assert torch.ops.karma.dropout_backward.default in targets
+    assert torch.ops.aten.native_dropout_backward.default not in targets
+
+    def forward_and_backward(x, grad):
+        out, mask = torch.ops.aten.native_dropout(x, 0.2, True)
+        return out, torch.ops.aten.native_dropout_backward(grad, mask, 1.25)
+
+    joint = make_fx(forward_and_backward)(torch.randn(8), torch.randn(8))
+    for backward, kept in ((True, torch.ops.karma.dropout_backward.default),
+                           (False, torch.ops.aten.native_dropout_backward.default)):
+        targets = [n.target for n in split_dropout(joint, backward=backward).graph.nodes]
+        assert kept in targets and torch.ops.karma.dropout_mask.default in targets
+        assert len({torch.ops.karma.dropout_backward.default, torch.ops.aten.native_dropout_backward.default}
+                   & set(targets)) == 1
 
 
 def test_planner_rebuilds_dropout_outputs_and_never_reruns_the_mask():
