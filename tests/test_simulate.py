@@ -166,6 +166,11 @@ def test_issuing_a_copy_takes_compute_time():
     assert issues == [(10.0, 13.0), (33.0, 36.0)]  # after f0, and before b2 starts
     assert [iv.start_us for iv in tl.d2h + tl.h2d] == [13.0, 36.0]
     assert simulate(problem, [], costs).makespan_us == 60.0
+    # what reads the compute stream op by op skips the copy ops' intervals (a window's base memory)
+    from karma_fx.strategies.cpsat.window import per_op_memory
+
+    assert per_op_memory(problem, tl) == per_op_memory(problem, simulate(problem, plan, flat_costs(
+        problem, op_us=10.0, bytes_per_us=100.0)))
     with pytest.raises(ValueError, match="copy_issue_us"):
         dataclasses.replace(costs, copy_issue_us=-1.0)
 

@@ -40,7 +40,8 @@ def per_op_memory(problem: Problem, timeline: Timeline) -> list[int]:
     """Device bytes at every op of the step, a recompute chain's steps counted at the op it serves."""
     out = [0] * len(problem.ops)
     pending = 0
-    for interval, (_, live) in zip((iv for iv in timeline.compute if iv.kind != "stall"), timeline.memory):
+    items = (iv for iv in timeline.compute if iv.kind in ("op", "recompute"))  # not stalls, not copy issues
+    for interval, (_, live) in zip(items, timeline.memory):
         if interval.kind == "recompute":
             pending = max(pending, live)
         else:
