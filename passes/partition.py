@@ -29,9 +29,9 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
                       save_params: bool = False, keep_all: Callable | None = None,
                       dropout_backward: bool = True) -> Callable:
     """A ``partition_fn`` that plans with ``plan_fn`` and reports the result to ``on_done``.
-    ``keep_all``: the partitioner of a plan that moves nothing (default: PyTorch's default partitioner, as
-    ``aot_eager`` uses; Inductor's min-cut partitioner under ``compiler="inductor"``, so that such a step is
-    exactly ``torch.compile``'s).
+    ``keep_all``: the partitioner of a plan that moves nothing, given the graph as captured (Inductor's min-cut
+    partitioner under ``compiler="inductor"``, so that such a step is exactly ``torch.compile``'s); by default
+    PyTorch's default partitioner, as ``aot_eager`` uses, on the graph planned (its dropouts split).
     ``save_params``: route each parameter's gradient through a ``hand_over`` marker that also reads the
     parameter (``hand_over_gradients``), so that the gradient pipeline learns which parameter a gradient belongs
     to; saving a parameter for the backward costs no memory, it lives all step anyway.
@@ -50,11 +50,14 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
             if save_params:
                 hand_over_gradients(rewritten, primal_kinds, num_fwd_outputs)
             fw, bw = split(rewritten, num_fwd_outputs, offload_names)
-        else:  # nothing moves: exactly the graphs PyTorch's own partitioner emits (no karma ops at all)
+        elif keep_all is not None:  # nothing moves: exactly the graphs that partitioner emits (no karma ops)
+            fw, bw = keep_all(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **options)
+        else:  # nothing moves: PyTorch's default partition of the graph planned, whose dropouts are split, so
+            # that the step allocates what the plan counts (ATen's CPU dropout backward has a scratch the
+            # planned graph's lacks)
             from torch._functorch.partitioners import default_partition
 
-            fw, bw = (keep_all or default_partition)(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                                     **options)
+            fw, bw = default_partition(step.joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **options)
         on_done(problem, plan, fw, bw)
         return fw, bw
 

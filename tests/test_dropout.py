@@ -159,3 +159,19 @@ def test_a_plan_rebuilding_dropout_outputs_trains_like_eager():
     (fw, bw), = compiled.graphs
     assert any(n.target is torch.ops.karma.masked_scale.default for n in bw.graph.nodes)
     assert not any(n.target is torch.ops.karma.dropout_mask.default for n in bw.graph.nodes)
+
+
+def test_a_step_that_moves_nothing_runs_the_graph_it_planned():
+    """With nothing moved the eager runtime still runs the split graph the plan was made on, so that it
+    allocates what the plan counts (ATen's CPU dropout backward has a mask-sized scratch the split one has
+    not), and trains exactly like eager."""
+    from test_compile import assert_same_training
+
+    model, args, kwargs = _gpt()
+    compiled = karma_fx.compile(model, budget=1.0, strategy="keep")
+    assert_same_training(model, compiled, args, kwargs, steps=2)
+    assert compiled.plan.decisions == ()
+    (fw, bw), = compiled.graphs
+    assert any(n.target is torch.ops.karma.dropout_mask.default for n in fw.graph.nodes)
+    assert any(n.target is torch.ops.karma.dropout_backward.default for n in bw.graph.nodes)
+    assert not any(n.target is torch.ops.aten.native_dropout_backward.default for n in bw.graph.nodes)
