@@ -37,6 +37,24 @@ def test_recompute_wins_when_copies_are_slow():
     assert tl.makespan_us == pytest.approx(70.0)
 
 
+def test_the_copy_ops_compute_time_tips_a_swap_into_a_recompute():
+    """``Costs.copy_issue_us`` (threaded CPU copies): a swap's two copy ops cost compute 2 x 10 µs, more than
+    recomputing A (10 µs), so the optimum recomputes; the models know it (their plan is the optimum, predicted
+    as simulated) rather than leaving it to the fallback, and the proven bound is that optimum."""
+    import dataclasses
+
+    p = chain_problem()
+    costs = dataclasses.replace(flat_costs(p, bytes_per_us=1000.0), copy_issue_us=10.0)
+    plan = CpSat(options=EXACT)(p, costs, 3114)
+    tl = simulate(p, plan, costs)
+    assert [type(d).__name__ for d in plan.decisions] == ["Recompute"]
+    assert plan.status == "OPTIMAL" and tl.makespan_us == pytest.approx(70.0)
+    assert plan.predicted_step_time_us == pytest.approx(tl.makespan_us, rel=0.01)
+    assert plan.lower_bound_us == pytest.approx(70.0, rel=1e-5)  # the bound charges the swap's copy ops too
+    cheap = dataclasses.replace(costs, copy_issue_us=2.0)  # 4 µs a swap: the swap still wins (61 + 4)
+    assert type(CpSat(options=EXACT)(p, cheap, 3114).decisions[0]).__name__ == "Offload"
+
+
 def test_everything_fits_means_nothing_moves():
     p = chain_problem()
     plan = CpSat(options=EXACT)(p, flat_costs(p), 10_000)
@@ -208,6 +226,17 @@ def test_fixed_decisions_are_timed_as_cp_sat_would(seed):
     decisions fixed, it says None exactly where CP-SAT finds them infeasible, and its assignment is complete
     and feasible (CP-SAT accepts it as a hint verbatim)."""
     prep = prepared("cnn")
+    cands = candidates(prep.problem, min_bytes=1)
+    _check_timed_as_cp_sat(prep, cands, _random_choices(cands, seed), prep.unplanned_peak_bytes)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_copy_ops_compute_time_is_timed_as_cp_sat_would(seed):
+    """The same with each copy op charged to compute (``Costs.copy_issue_us``)."""
+    import dataclasses
+
+    prep = prepared("cnn")
+    prep = dataclasses.replace(prep, costs=dataclasses.replace(prep.costs, copy_issue_us=3.0))
     cands = candidates(prep.problem, min_bytes=1)
     _check_timed_as_cp_sat(prep, cands, _random_choices(cands, seed), prep.unplanned_peak_bytes)
 
@@ -489,6 +518,7 @@ def _brute_force_plans(problem, costs) -> list[tuple[int, float]]:
 def test_the_bound_is_below_the_brute_force_optimum_on_small_random_problems(seed):
     """On random 4-layer steps, at every budget some enumerated plan just meets, the bound never exceeds the
     fastest enumerated plan that fits (and never calls such a budget infeasible)."""
+    import dataclasses
     import random
 
     from karma_fx.strategies.cpsat.bound import lower_bound_us
@@ -500,13 +530,15 @@ def test_the_bound_is_below_the_brute_force_optimum_on_small_random_problems(see
                        [rng.randrange(-1, n) for _ in range(n)], [rng.choice([2.0, 5.0, 10.0])])
     costs = random_costs(p, [rng.choice([2.0, 5.0, 10.0]) for _ in range(4)], rng.choice([50.0, 200.0, 1000.0]))
     base = [b for _, b in simulate(p, (), costs).memory]
-    plans = _brute_force_plans(p, costs)
-    budgets = sorted({peak for peak, _ in plans})
-    assert len(budgets) > 1  # the family spans more than the unplanned step
-    for budget in budgets:
-        optimum = min(t for peak, t in plans if peak <= budget)
-        bound = lower_bound_us(p, costs, budget, base)
-        assert bound is not None and bound <= optimum * (1 + 1e-9), (budget, bound, optimum)
+    # and with each copy op charged to compute (threaded CPU copies), which the bound counts per swap
+    for costs in (costs, dataclasses.replace(costs, copy_issue_us=rng.choice([1.0, 4.0]))):
+        plans = _brute_force_plans(p, costs)
+        budgets = sorted({peak for peak, _ in plans})
+        assert len(budgets) > 1  # the family spans more than the unplanned step
+        for budget in budgets:
+            optimum = min(t for peak, t in plans if peak <= budget)
+            bound = lower_bound_us(p, costs, budget, base)
+            assert bound is not None and bound <= optimum * (1 + 1e-9), (budget, bound, optimum)
 
 
 @pytest.mark.parametrize("name", ["resnet1001", "wrn28_10", "cnn", "mlp", "gpt2", "vgg16"])

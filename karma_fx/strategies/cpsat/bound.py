@@ -23,7 +23,8 @@ Why it is a lower bound: map any executable plan to a solution of the same cost 
 where ``s`` is on the host at ``i`` (its copies cost at least one copy each way, however many trips it makes),
 ``y_s`` = 1 where it is dropped and rebuilt; the memory rows then hold (the relaxation claims a recomputed
 tensor's bytes over its whole gap, at least what the plan frees), every copy really runs inside the windows
-its row names, and the stalls and recomputes the plan runs are at least ``S(end)``. Checking memory and time
+its row names, and the stalls, recomputes and copy-op calls (``Costs.copy_issue_us``, two a swapped tensor
+at least) the plan runs are at least ``S(end)``. Checking memory and time
 at a subset of ops only drops constraints, so the bound stays valid; the subset is what keeps the LP small on
 graphs of tens of thousands of ops. On small graphs (``FULL_RESOLUTION_VARIABLES``) every op is checked too,
 as a second LP, and the larger of the two bounds is returned.
@@ -134,6 +135,7 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
     away: dict[int, list[tuple]] = {i: [] for i in checked}  # i -> [(gap, x_s,i)]
     relief: dict[int, list] = {i: [] for i in checked}
     copies_out, copies_in = [], []
+    swapped = []  # x_s of every tensor: each swap issues two copy ops, ``Costs.copy_issue_us`` of compute each
     saved = {g.storage.name for g in gaps}
     temps: dict[str, object] = {}  # dead forward temporary -> its "rebuilt" variable
     for g in sorted(gaps, key=lambda g: (g.first_bwd_use, g.storage.name)):
@@ -143,6 +145,7 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
             lp.Add(x == 0)
         copies_out.append(costs.copy_time_us(size, "d2h") * x)
         copies_in.append(costs.copy_time_us(size, "h2d") * x)
+        swapped.append(x)
         inside = [i for i in checked if g.last_fwd_use < i < g.first_bwd_use]
         if problem.ops[g.storage.producer].recomputable:
             y = var01()
@@ -159,8 +162,9 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
             relief[i].append(size * xi + (size * y if y is not None else 0))
     for i in checked:
         lp.Add(sum(relief[i]) >= base_bytes[i] - budget_bytes)
-    if rerun:
-        lp.Add(end >= sum(costs.op_time_us[o] * r for o, r in rerun.items()))
+    if rerun or costs.copy_issue_us:  # compute the plan adds: re-runs, and the copy ops of its swaps
+        lp.Add(end >= sum(costs.op_time_us[o] * r for o, r in rerun.items())
+               + 2 * costs.copy_issue_us * sum(swapped))
     lp.Add(sum(copies_out) <= prefix[n] + end)
     lp.Add(sum(copies_in) <= prefix[n] + end)
 

@@ -32,8 +32,9 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
                    cands: list[Candidate], *, time_limit_s: float, workers: int, seed: int,
                    sync_points: int = 24, unit: int = 64 * 1024,
                    gap_us: float = 0.0) -> tuple[dict[str, Choice], float, str] | None:
-    """Decisions minimising recompute time plus copy-induced stalls under the capacity model, the model's
-    lower bound on the step time (µs), and the CP-SAT status; ``None`` if no solution was found.
+    """Decisions minimising recompute time, copy-induced stalls and the copy ops' compute time
+    (``Costs.copy_issue_us``) under the capacity model, the model's lower bound on the step time (µs), and the
+    CP-SAT status; ``None`` if no solution was found.
 
     The search stops once its incumbent is within ``gap_us`` of the model's own bound: proving the last
     fraction of a percent took 7 of the 9 s resnet1001 tiny spent planning at 0.7 (the exact pass re-times the
@@ -59,8 +60,9 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     for x in costs.op_time_us:
         prefix.append(prefix[-1] + t(x))
     segs = [seg for seg in segments_of(cands) if seg.index in dv.seg]
+    swap_issue = 2 * t(costs.copy_issue_us)  # a swap's two copy ops on the compute thread, as in ``exact``
     horizon = prefix[-1] + sum(t(costs.copy_time_us(c.size, "d2h")) + t(costs.copy_time_us(c.size, "h2d"))
-                               + t(chain_time(costs, c)) for c in cands) \
+                               + t(chain_time(costs, c)) + swap_issue for c in cands) \
         + sum(t(chain_time(costs, seg)) for seg in segs) + 1
     stall = {k: m.NewIntVar(0, horizon, "") for k in sync}
     for a, b in zip(sync, sync[1:]):
@@ -70,6 +72,8 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     def time_at(k: int):
         recs = [t(chain_time(costs, c)) * rec[c.name] for c in cands if c.name in rec and c.first_bwd < k]
         recs += [t(chain_time(costs, seg)) * dv.seg[seg.index] for seg in segs if seg.anchor < k]
+        if swap_issue:
+            recs += [swap_issue * dv.off[c.name] for c in cands if c.producer < k]
         return prefix[k] + sum(recs) + stall[k]
 
     times = {k: time_at(k) for k in sync}
@@ -88,7 +92,8 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
                     m.Add(sum(in_terms) <= times[q] - times[a])
     total_rec = sum(t(chain_time(costs, c)) * rec[c.name] for c in cands if c.name in rec) \
         + sum(t(chain_time(costs, seg)) * dv.seg[seg.index] for seg in segs)
-    m.Minimize(total_rec + stall[sync[-1]])
+    issue = sum(swap_issue * dv.off[c.name] for c in cands) if swap_issue else 0
+    m.Minimize(total_rec + issue + stall[sync[-1]])
 
     solver = deterministic_solver(time_limit_s, workers, seed)
     solver.parameters.absolute_gap_limit = max(0.0, gap_us * TIME_SCALE)

@@ -72,7 +72,15 @@ class Model:
             m.Add(lit == 1)
 
         # ---- time: the compute stream with a wait before every op, FIFO copy streams --------------------
-        horizon += sum(fixed.values())
+        # A swap's two copy ops cost compute ``Costs.copy_issue_us`` each (threaded CPU copies): both charged
+        # after the producer, where the copy out is issued (the simulator charges the copy back's where it is
+        # issued; the total is the same).
+        swap_issue = 2 * _t(costs.copy_issue_us)
+        issue_at: dict[int, list] = {}
+        if swap_issue:
+            for c in cands:
+                issue_at.setdefault(c.producer, []).append(swap_issue * dv.off[c.name])
+        horizon += sum(fixed.values()) + swap_issue * len(cands)
         T = [int_var(0, horizon, f"T_{i}") for i in range(n + 1)]
         wait = [int_var(0, horizon, f"wait_{i}") for i in range(n)]
         # op i: a wait for what the fixed chains read, the fixed chains, the wait for the rest, the model's own
@@ -87,10 +95,11 @@ class Model:
         for seg in segs:
             rec_at.setdefault(seg.anchor, []).append(_t(chain_time(costs, seg)) * dv.seg[seg.index])
         for i in range(n):
-            m.Add(T[i + 1] == ready.get(i, T[i]) + wait[i] + sum(rec_at.get(i, ())) + dur[i])
+            m.Add(T[i + 1] == ready.get(i, T[i]) + wait[i] + sum(rec_at.get(i, ())) + dur[i]
+                  + sum(issue_at.get(i, ())))
         self._times = _Times(dur, d2h, h2d, {c.name: _t(chain_time(costs, c)) for c in cands}, horizon, T, wait,
                              {seg.index: (seg, _t(chain_time(costs, seg))) for seg in segs}, fixed, pre,
-                             before_chains)
+                             before_chains, swap_issue)
         self._literals: list | None = None
         end_d2h: dict[str, object] = {}
         prev = None
@@ -312,8 +321,9 @@ class _Times:
 
     def __init__(self, dur: list[int], d2h: dict[str, int], h2d: dict[str, int], chain: dict[str, int],
                  horizon: int, T: list, wait: list, segments: dict[int, tuple[Segment, int]],
-                 fixed: dict[int, int], pre: dict[int, object], before_chains: set[str]) -> None:
+                 fixed: dict[int, int], pre: dict[int, object], before_chains: set[str], swap_issue: int = 0) -> None:
         self.dur, self.d2h, self.h2d, self.chain, self.horizon = dur, d2h, h2d, chain, horizon
+        self.swap_issue = swap_issue  # compute time a swap's two copy ops cost, charged after its producer
         self.fixed, self.pre, self.before_chains = fixed, pre, before_chains
         self.segments = segments  # index -> (segment, its chain's time)
         self.T, self.wait = T, wait
@@ -333,6 +343,8 @@ class _Times:
         for c, _ in self.out_order:
             if chosen(c).kind is Kind.RECOMPUTE and c.chain is not None:
                 rec_at[c.first_bwd] += self.chain[c.name]
+            elif chosen(c).kind is Kind.OFFLOAD:
+                rec_at[c.producer] += self.swap_issue  # added after the op, as the model adds it
         for seg, time in self.segments.values():
             if choices.get(seg.members[0], KEEP) == Choice.segment(seg.index):
                 rec_at[seg.anchor] += time
