@@ -39,7 +39,8 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **options: Any):
         # Planned on the graph with each dropout split into mask and multiply (what plan() captures), so a
-        # dropout output can be rebuilt; a plan that moves nothing still partitions PyTorch's own graph.
+        # dropout output can be rebuilt; under Inductor a plan that moves nothing partitions the graph as
+        # captured (``keep_all``).
         step = CapturedStep(joint=split_dropout(joint, dropout_backward), primal_kinds=primal_kinds,
                             primal_names=primal_names, num_fwd_outputs=num_fwd_outputs, output_names=(),
                             joint_inputs=joint_inputs)
