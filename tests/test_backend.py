@@ -116,19 +116,32 @@ def test_bad_options_and_dynamic_shapes():
 @pytest.mark.parametrize("name", ["cnn", "gpt2", "llama"])
 def test_unlimited_budget_emits_pytorchs_own_graphs(name):
     """Nothing moves, so the emitted forward and backward are node for node what AOTAutograd's default
-    partitioner emits (``aot_eager`` with the default partitioner): no karma op, no reordering."""
-    from functorch.compile import make_boxed_func
+    partitioner emits (``aot_eager`` with the default partitioner) for the graph planned: no copy, no
+    recompute, no reordering. That graph is PyTorch's own with each training-mode dropout split into its mask
+    and multiply (``split_dropout``), so that the step allocates what the plan counts; a model without dropout
+    (llama here) gets exactly PyTorch's graphs."""
+    from functorch.compile import default_partition, make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    from karma_fx.passes.dropout import split_dropout
+
     reference: list[torch.fx.GraphModule] = []
+    split: list[bool] = []
 
     def record(gm, _):
         reference.append(gm)
         return make_boxed_func(gm.forward)
 
+    def partition(joint, joint_inputs, **kw):
+        planned = split_dropout(joint)
+        split.append(planned is not joint)
+        return default_partition(planned, joint_inputs, **kw)
+
     model, args, kwargs = build(name, "tiny")
-    output_to_loss(torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record),
+    output_to_loss(torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record,
+                                                             partition_fn=partition),
                                  dynamic=False)(*args, **kwargs)).backward()
+    assert split == [name != "llama"]
     torch._dynamo.reset()
     options = {"budget": "1TiB"}
     output_to_loss(torch.compile(model, backend="karma", options=options, dynamic=False)(*args, **kwargs)).backward()
