@@ -343,7 +343,7 @@ def measure_copy_issue_us(device: Any) -> float:
     if dev.type == "cuda" or cpu_copies_are_synchronous():
         return 0.0
     tensor = torch.empty(1 << 20)
-    square = torch.ones(384, 384)  # a matmul of ~1 ms here: long enough for the copy to land while it runs
+    square = torch.ones(384, 384)  # two matmuls: 2.6 ms on one thread here, time enough for a 4 MiB copy to land
     offload, prefetch, wait = torch.ops.karma.offload, torch.ops.karma.prefetch, torch.ops.karma.wait
 
     def compute() -> None:
