@@ -72,14 +72,7 @@ class Model:
             m.Add(lit == 1)
 
         # ---- time: the compute stream with a wait before every op, FIFO copy streams --------------------
-        # A swap's two copy ops cost compute ``Costs.copy_issue_us`` each (threaded CPU copies): both charged
-        # after the producer, where the copy out is issued (the simulator charges the copy back's where it is
-        # issued; the total is the same).
         swap_issue = 2 * _t(costs.copy_issue_us)
-        issue_at: dict[int, list] = {}
-        if swap_issue:
-            for c in cands:
-                issue_at.setdefault(c.producer, []).append(swap_issue * dv.off[c.name])
         horizon += sum(fixed.values()) + swap_issue * len(cands)
         T = [int_var(0, horizon, f"T_{i}") for i in range(n + 1)]
         wait = [int_var(0, horizon, f"wait_{i}") for i in range(n)]
@@ -94,9 +87,13 @@ class Model:
                 rec_at.setdefault(c.first_bwd, []).append(_t(chain_time(costs, c)) * self.rec[c.name])
         for seg in segs:
             rec_at.setdefault(seg.anchor, []).append(_t(chain_time(costs, seg)) * dv.seg[seg.index])
+        # A swap's two copy ops cost compute ``Costs.copy_issue_us`` each (threaded CPU copies): both charged
+        # with op ``producer``, whose end issues the copy out (the simulator charges the copy back's where it is
+        # issued; the total is the same).
+        for c in cands if swap_issue else ():
+            rec_at.setdefault(c.producer, []).append(swap_issue * dv.off[c.name])
         for i in range(n):
-            m.Add(T[i + 1] == ready.get(i, T[i]) + wait[i] + sum(rec_at.get(i, ())) + dur[i]
-                  + sum(issue_at.get(i, ())))
+            m.Add(T[i + 1] == ready.get(i, T[i]) + wait[i] + sum(rec_at.get(i, ())) + dur[i])
         self._times = _Times(dur, d2h, h2d, {c.name: _t(chain_time(costs, c)) for c in cands}, horizon, T, wait,
                              {seg.index: (seg, _t(chain_time(costs, seg))) for seg in segs}, fixed, pre,
                              before_chains, swap_issue)
