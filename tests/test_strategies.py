@@ -241,3 +241,25 @@ def test_a_swap_that_a_recompute_chain_reads_is_fetched_for_that_chain_not_at_it
         if label == "for the chain":
             assert start[problem.op_index(swap.prefetch_at)] <= start[problem.op_index("g2")] - 16.0
     assert stalls["for its own read"] > 0 and stalls["for the chain"] == 0
+
+
+def test_greedy_swaps_only_what_the_copy_streams_can_hide():
+    """Seven equal tensors produced one per 10 µs, each copy 26 µs each way: the copy-out queue falls behind
+    the forward, and the copies back of the first-read tensors come faster than the stream carries them. All
+    seven swapped, the step stalls; ``lands_in_time`` keeps the three whose copies hide, which stall nothing
+    and free the same bytes at the peak."""
+    from helpers import random_costs, random_problem
+
+    from karma_fx.strategies.base import reconcile, saved_gaps
+    from karma_fx.strategies.greedy import just_in_time, lands_in_time
+
+    problem = random_problem(8, [300] * 8, [-1] * 8, [10.0])
+    costs = random_costs(problem, [10.0], bytes_per_us=12.0)
+    start = costs.op_starts_us()
+    gaps = [g for g in saved_gaps(problem) if g.last_fwd_use + 1 < g.first_bwd_use]
+    kept = lands_in_time(costs, gaps, start, start[problem.num_fwd_ops])
+    assert [g.storage.name for g in kept] == ["a0", "a1", "a2"]
+    every = simulate(problem, reconcile(problem, just_in_time(problem, costs, gaps, start)), costs)
+    hidden = simulate(problem, reconcile(problem, just_in_time(problem, costs, kept, start)), costs)
+    assert every.stall_us > 100 and hidden.stall_us == 0
+    assert hidden.peak_bytes == every.peak_bytes < simulate(problem, (), costs).peak_bytes

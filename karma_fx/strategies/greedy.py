@@ -5,8 +5,9 @@ room: the copy engines can carry a fixed number of bytes while the step computes
 from, and what recomputing costs varies a hundredfold between a matmul output and a pointwise one. So:
 
 1. swap the tensors that are dearest to recompute per byte and have the longest gaps, up to a byte quota
-   that the copy streams can carry (a grid of quotas around the forward's copy capacity is tried); each
-   prefetch is issued early enough for its copy to hide behind the backward before its first read;
+   that the copy streams can carry (a grid of quotas around the forward's copy capacity is tried), less those
+   whose copies would queue past where they are needed (``lands_in_time``); each prefetch is issued early
+   enough for its copy to hide behind the backward before its first read;
 2. evict as few of the rest as make the step fit, in one of five orders (recompute cheapest per byte
    first; the same with short chains only, or with chains at most 1.5x or 2.5x as dear as alone; block by
    block keeping block outputs), then swap what is left:
@@ -36,14 +37,16 @@ from karma_fx.strategies.torch_budget import decisions_for_saved
 QUOTAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 """Swapped bytes as multiples of what the device→host stream can move during the forward."""
 LARGE_OPS = 4000
-QUOTAS_LARGE = (0.0, 0.5, 1.0)
-"""On graphs of more than ``LARGE_OPS`` ops a simulation costs ~0.2 s and the full grid minutes: fewer quotas."""
+QUOTAS_LARGE = (0.0, 1.0, 2.0)
+"""On graphs of more than ``LARGE_OPS`` ops a simulation costs ~0.2 s and the full grid minutes: fewer quotas.
+With only the swaps whose copies hide kept (``lands_in_time``), a larger quota did better on ResNet-1001
+(bf16-mixed, H100 preset) at every budget: at 0.7 of its peak, quota 0 / 1 / 2 gave 1.067x / 1.049x / 1.035x,
+at 0.25 1.403x / 1.202x / 1.170x; quota 3 was within 1.5% of quota 2."""
 STOP_RATIO = 1.1
-"""On those graphs the quotas stop rising once one's fastest plan is this much slower than the best so far:
-on ResNet-1001 quota 0 won at every budget, 0.5 was 1.18-1.41x slower and 1 slower still. A larger quota tries
-the order that has won so far first, and stops there when that plan is this much slower: the five orders of
-one quota were within 2% of each other on ResNet-1001 at real size (quota 0.5 at 0.7: 1.185-1.204x the best),
-and the other four cost ~7 s there."""
+"""On those graphs the quotas stop rising once one's fastest plan is this much slower than the best so far. A
+larger quota tries the order that has won so far first, and stops there when that plan is this much slower:
+the five orders of one quota were within 2% of each other on ResNet-1001 at real size (quota 0.5 at 0.7:
+1.185-1.204x the best), and the other four cost ~7 s there."""
 GROWTHS = (1.5, 2.5)
 """How much longer than alone a recompute chain may grow in the bounded pools (``bounded_drops``)."""
 LOOKAHEAD = 1.2
@@ -118,7 +121,10 @@ class Greedy:
                 if total + g.storage.size_bytes <= quota * fwd_capacity:
                     swapped.append(g)
                     total += g.storage.size_bytes
-            away = {g.storage.name for g in swapped}
+            hidden = lands_in_time(costs, swapped, start, start[nf])
+            away = {g.storage.name for g in hidden}
+            late = [g for g in swapped if g.storage.name not in away]  # swapped only where fetched on demand
+            swapped = hidden
             # (name, the order's tensors), the bounded ones built only when tried (~0.25 s each on ResNet-1001)
             ordered = [(name, lambda drops=drops: drops)
                        for name, drops in self._orders(cheap_first, chains, away, boundaries).items()]
@@ -141,7 +147,7 @@ class Greedy:
                 chosen = away | {g.storage.name for g in recomputed}
                 pool = [(g, "recompute") for g in recomputed] \
                     + [(g, "swap") for g in gaps if g.storage.name not in chosen and costs.allow_offload]
-                found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, pool, start,
+                found = self._fit(problem, costs, budget_bytes, builder, gaps, swapped, late, pool, start,
                                   f"quota {quota:g}: {len(swapped)} swapped, {order} order", judged)
                 fits, key, decisions, label = found
                 if fits and (best is None or key < best[0]):
@@ -186,7 +192,8 @@ class Greedy:
 
     @staticmethod
     def _fit(problem: Problem, costs: Costs, budget_bytes: int, builder: RecomputeBuilder, gaps: list[Gap],
-             swapped: list[Gap], pool: list[tuple[Gap, str]], start: list[float], label: str, judged: dict):
+             swapped: list[Gap], late: list[Gap], pool: list[tuple[Gap, str]], start: list[float], label: str,
+             judged: dict):
         """Evict the shortest prefix of ``pool`` that fits (bisection; the simulator judges every probe, and
         ``judged`` remembers its verdicts across orders and quotas): (fits, (peak or 0, step time), decisions,
         label)."""
@@ -202,7 +209,9 @@ class Greedy:
             recomputed = {g.storage.name for g, kind in pool[:k] if kind == "recompute"}
             rebuilt = decisions_for_saved(problem, everything - recomputed, builder, all_gaps)
             due = read_by_chains(problem, rebuilt)  # a swapped tensor a chain reads is due before that chain
-            swaps = just_in_time(problem, costs, swapped, start, release=not queue, queue=queue, due=due) \
+            decided = {g.storage.name for g, _ in pool[:k]}
+            fetched = swapped if queue else swapped + [g for g in late if g.storage.name not in decided]
+            swaps = just_in_time(problem, costs, fetched, start, release=not queue, queue=queue, due=due) \
                 + just_in_time(problem, costs, [g for g, kind in pool[:k] if kind == "swap"], start, release=True,
                                queue=queue, due=due)
             return reconcile(problem, swaps + rebuilt)
@@ -263,6 +272,35 @@ def bounded_drops(problem: Problem, costs: Costs, builder: RecomputeBuilder, che
             out.append(g)
             dropped.add(name)
     return out
+
+
+def lands_in_time(costs: Costs, swapped: list[Gap], start: list[float], backward_start: float) -> list[Gap]:
+    """``swapped`` less the tensors whose copies cannot hide on the two FIFO streams (times from the unplanned
+    step): walking the forward, a copy out queues behind those of the tensors produced before it, and must
+    land early enough for its copy back to hide before the first backward read; walking the backward from
+    its end, each copy back must end before its read and before the next one starts, and start after the
+    forward and after its copy out landed. A tensor that misses either is not swapped: its copies would
+    only stall the step (ResNet-1001, bf16-mixed, H100 preset, at 0.7 with a quarter of the forward's copy
+    capacity swapped: 590 µs waiting at the first backward op for the last copies out, then 10 µs at most
+    reads of the first stages, where the copies back came faster than the stream carries them). Where every
+    copy is fetched on demand (``just_in_time(queue=False)``) nothing hides anyway, and ``Greedy`` swaps
+    those tensors too."""
+    queue_end = 0.0
+    landed: dict[str, float] = {}
+    for g in sorted(swapped, key=lambda g: (g.storage.producer, g.storage.name)):
+        size = g.storage.size_bytes
+        end = max(queue_end, start[g.storage.producer + 1]) + costs.copy_time_us(size, "d2h")
+        if end + LOOKAHEAD * costs.copy_time_us(size, "h2d") <= start[g.first_bwd_use]:
+            landed[g.storage.name] = queue_end = end
+    kept: set[str] = set()
+    next_start = float("inf")
+    for g in sorted((g for g in swapped if g.storage.name in landed),
+                    key=lambda g: (-g.first_bwd_use, -g.storage.producer, g.storage.name)):
+        begin = min(start[g.first_bwd_use], next_start) - LOOKAHEAD * costs.copy_time_us(g.storage.size_bytes, "h2d")
+        if begin >= max(backward_start, landed[g.storage.name]):
+            kept.add(g.storage.name)
+            next_start = begin
+    return [g for g in swapped if g.storage.name in kept]
 
 
 def just_in_time(problem: Problem, costs: Costs, swapped: list[Gap], start: list[float], *,
