@@ -263,3 +263,50 @@ def test_greedy_swaps_only_what_the_copy_streams_can_hide():
     hidden = simulate(problem, reconcile(problem, just_in_time(problem, costs, kept, start)), costs)
     assert every.stall_us > 100 and hidden.stall_us == 0
     assert hidden.peak_bytes == every.peak_bytes < simulate(problem, (), costs).peak_bytes
+
+
+def test_greedy_on_big_graphs_tries_the_likeliest_order_first_and_stops_at_a_worse_quota(monkeypatch):
+    """Past ``LARGE_OPS`` a time limit often lets greedy judge only a few orders, so the search goes largest
+    quota first, the orders in ``ORDERS_LARGE``'s sequence (a later quota starting with the order that has won
+    so far), and stops at the first quota whose best plan is slower than the best so far."""
+    from helpers import random_costs, random_problem
+
+    from karma_fx.strategies import greedy
+
+    problem = random_problem(16, [300] * 16, [-1] * 16, [10.0])  # copies hide: swapping beats recomputing
+    costs = random_costs(problem, [10.0], bytes_per_us=60.0)
+    monkeypatch.setattr(greedy, "LARGE_OPS", 0)
+    tried: list[tuple[float, str, bool, float]] = []
+    fit = greedy.Greedy._fit
+
+    def recording(*args, **kwargs):
+        found = fit(*args, **kwargs)
+        label = found[3]
+        quota = float(label.split(":")[0].removeprefix("quota "))
+        order = label.split(", ")[1].removesuffix(" order")
+        tried.append((quota, order, found[0], found[1][1]))
+        return found
+
+    monkeypatch.setattr(greedy.Greedy, "_fit", staticmethod(recording))
+    budget = int(0.7 * simulate(problem, (), costs).peak_bytes)
+    plan = greedy.Greedy()(problem, costs, budget)
+    assert simulate(problem, plan, costs).peak_bytes <= budget
+    quotas = list(dict.fromkeys(q for q, *_ in tried))
+    assert quotas == list(greedy.QUOTAS_LARGE[:len(quotas)])
+    first = [order for q, order, *_ in tried if q == quotas[0]]
+    assert first == list(greedy.ORDERS_LARGE)
+    inf = float("inf")
+    best = min((t if fits else inf) for q, _, fits, t in tried if q == quotas[0])
+    for q in quotas[1:]:
+        here = [(order, t if fits else inf) for qq, order, fits, t in tried if qq == q]
+        earlier = [(t, k, order) for k, (qq, order, fits, t) in enumerate(tried)
+                   if fits and qq in quotas[:quotas.index(q)]]
+        winner = min(earlier)[2]  # the first order to reach the best time
+        assert here[0][0] == winner
+        if here[0][1] > best:  # its try of the winning order did worse: no other order, no other quota
+            assert len(here) == 1 and q == quotas[-1]
+        elif min(t for _, t in here) > best:
+            assert q == quotas[-1]
+        best = min(best, *(t for _, t in here))
+    # here quotas 2 and 1 tie, and quota 0 (recompute only) is slower at its first order: the search ends there
+    assert quotas == [2.0, 1.0, 0.0] and [order for q, order, *_ in tried if q == 0.0] == ["bounded 2.5x"]

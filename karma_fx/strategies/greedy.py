@@ -43,11 +43,22 @@ the likeliest winner first, since a time limit often stops the search after one 
 ResNet-1001). With only the swaps whose copies hide kept (``lands_in_time``), a larger quota did better there
 (bf16-mixed, H100 preset) at every budget: at 0.7 of its peak, quota 0 / 1 / 2 gave 1.067x / 1.049x / 1.035x,
 at 0.25 1.403x / 1.202x / 1.170x; quota 3 was within 1.5% of quota 2."""
-STOP_RATIO = 1.1
+ORDERS_LARGE = ("bounded 2.5x", "cheap-first", "bounded 1.5x", "by-block", "local")
+"""The eviction orders on those graphs, the likeliest winner first. On ResNet-1001 (bf16-mixed, H100 preset,
+quotas 2 / 1 / 0 each with all five orders, no time limit) the winner at 0.7 / 0.5 / 0.35 / 0.25 of the peak
+was cheap-first (tied with both bounded orders and local) / cheap-first (bounded 2.5x 0.02% behind) /
+cheap-first / bounded 2.5x; by-block never came within 3%, local only at 0.7. At 0.35 and 0.25 those two
+also took 2.9-3.2 s each to judge, the bounded orders 0.9-1.8 s. Tried in the order the orders are built
+(cheap-first, local, by-block, then the bounded ones), the bounded orders were what cpsat's greedy never
+reached: it runs after the bound and the one-pass heuristics (19 s there), and at 0.25 it stopped before
+them, 10.9% behind greedy alone."""
+STOP_RATIO = 1.0
 """On those graphs the quotas stop once one's fastest plan is this much slower than the best so far (the next
 one, further from the winner, will not win). A later quota tries the order that has won so far first, and
-stops there when that plan is this much slower: the five orders of one quota were within 2% of each other on
-ResNet-1001 at real size (quota 0.5 at 0.7: 1.185-1.204x the best), and the other four cost ~7 s there."""
+stops there when that plan is this much slower. On ResNet-1001 (bf16-mixed, H100 preset, 0.7 to 0.25 of its
+peak, every quota and order tried) the step time rose with every quota step down (quota 1's best 1.4-2.7%
+over quota 2's, quota 0's 3.1-20% over), and no later quota had an order that beat its try of the winning
+one. It was 1.1, under which greedy ran all three quotas (20-40 s) and left cpsat's block pass no time."""
 GROWTHS = (1.5, 2.5)
 """How much longer than alone a recompute chain may grow in the bounded pools (``bounded_drops``)."""
 LOOKAHEAD = 1.2
@@ -115,7 +126,7 @@ class Greedy:
             if stopped:
                 break
             if large and best is not None and quota_best is not None and quota_best > STOP_RATIO * best[0][1]:
-                break  # this quota did markedly worse than an earlier one: the next will not win
+                break  # this quota did worse than an earlier one: the next will not win
             quota_best = None
             swapped, total = [], 0
             for g in swappable:
@@ -132,15 +143,16 @@ class Greedy:
             ordered += [(f"bounded {growth:g}x",
                          lambda growth=growth, away=away: bounded_drops(problem, costs, builder, cheap_first, chains,
                                                                         away, growth)) for growth in GROWTHS]
-            if large and best_order is not None:  # the order that won so far first (a stable sort)
-                ordered.sort(key=lambda item: item[0] != best_order)
+            if large:  # the order that won so far first, then ORDERS_LARGE's
+                rank = {name: k for k, name in enumerate(ORDERS_LARGE)}
+                ordered.sort(key=lambda item: (item[0] != best_order, rank.get(item[0], len(rank))))
             for n_order, (order, make_order) in enumerate(ordered):
                 if (best is not None or lowest is not None) and progress.past_deadline():
                     stopped = True
                     break
                 if (large and n_order == 1 and best is not None and quota_best is not None
                         and quota_best > STOP_RATIO * best[0][1]):
-                    break  # this quota's try of the winning order was markedly worse: see STOP_RATIO
+                    break  # this quota's try of the winning order was worse: see STOP_RATIO
                 progress.report(f"swap quota {quota:g}, {order} order", strategy=self.name,
                                 slowdown=best[0][1] / keep.makespan_us if best and keep.makespan_us else None,
                                 peak_bytes=judged[best[1]].peak_bytes if best else None)
