@@ -305,15 +305,28 @@ def lands_in_time(costs: Costs, swapped: list[Gap], start: list[float], backward
         end = max(queue_end, start[g.storage.producer + 1]) + costs.copy_time_us(size, "d2h")
         if end + LOOKAHEAD * costs.copy_time_us(size, "h2d") <= start[g.first_bwd_use]:
             landed[g.storage.name] = queue_end = end
-    kept: set[str] = set()
-    next_start = float("inf")
-    for g in sorted((g for g in swapped if g.storage.name in landed),
-                    key=lambda g: (-g.first_bwd_use, -g.storage.producer, g.storage.name)):
-        begin = min(start[g.first_bwd_use], next_start) - LOOKAHEAD * costs.copy_time_us(g.storage.size_bytes, "h2d")
-        if begin >= max(backward_start, landed[g.storage.name]):
-            kept.add(g.storage.name)
-            next_start = begin
+    order = sorted((g for g in swapped if g.storage.name in landed),
+                   key=lambda g: (g.first_bwd_use, g.storage.producer, g.storage.name))
+    kept = copy_back_starts(costs, order, start, {g.storage.name: g.first_bwd_use for g in order},
+                            lambda g, begin: begin >= max(backward_start, landed[g.storage.name]))
     return [g for g in swapped if g.storage.name in kept]
+
+
+def copy_back_starts(costs: Costs, order: list[Gap], start: list[float], read_at: dict[str, int],
+                     take=lambda g, begin: True) -> dict[str, float]:
+    """When each copy back starts on the FIFO host→device stream, walking ``order`` (by first read) from its
+    last read to its first: a copy ends before its read (``read_at``) and before the next copy starts, with
+    ``LOOKAHEAD`` slack on its duration. ``take(gap, start)``: whether that copy is made at all (one that is
+    not leaves the stream to the earlier ones). Both ``just_in_time``'s placement and ``lands_in_time``'s
+    check walk it, so the two cannot drift apart."""
+    out: dict[str, float] = {}
+    next_start = float("inf")
+    for g in reversed(order):
+        name = g.storage.name
+        begin = min(start[read_at[name]], next_start) - LOOKAHEAD * costs.copy_time_us(g.storage.size_bytes, "h2d")
+        if take(g, begin):
+            out[name] = next_start = begin
+    return out
 
 
 def just_in_time(problem: Problem, costs: Costs, swapped: list[Gap], start: list[float], *,
@@ -337,21 +350,17 @@ def just_in_time(problem: Problem, costs: Costs, swapped: list[Gap], start: list
     due = due or {}
     read_at = {g.storage.name: min(g.first_bwd_use, due.get(g.storage.name, g.first_bwd_use)) for g in swapped}
     order = sorted(swapped, key=lambda g: (read_at[g.storage.name], g.storage.producer, g.storage.name))
+    if not queue:
+        return [offload_for(problem, g, release=release) for g in order]
+    begins = copy_back_starts(costs, order, start, read_at)
     out: list[Decision] = []
-    next_start = float("inf")
     at = len(start) - 1
     for g in reversed(order):
-        if not queue:
-            out.append(offload_for(problem, g, release=release))
-            continue
-        read = read_at[g.storage.name]
-        begin = min(start[read], next_start) - LOOKAHEAD * costs.copy_time_us(g.storage.size_bytes, "h2d")
         floor = max(problem.num_fwd_ops, g.last_fwd_use + 1)
-        at = min(at, read)
-        while at > floor and start[at] > begin:
+        at = min(at, read_at[g.storage.name])
+        while at > floor and start[at] > begins[g.storage.name]:
             at -= 1
         out.append(offload_for(problem, g, prefetch_at=max(at, floor), release=release))
-        next_start = begin
     return out[::-1]
 
 
