@@ -154,8 +154,8 @@ class CpSat:
                                              decisions=blocks.decisions, status=block_status,
                                              lower_bound_us=proven), tl.peak_bytes)
         # Windows re-solve at most ``window_size`` tensors each: when the whole-graph models have just decided
-        # all of them at once, a window would solve much the same model again (two windows' worth at most: a
-        # tiny graph's model is solved to optimality in a second or two, and windows after it only cost time).
+        # all of them at once, a window would solve much the same model again (up to two windows' worth of
+        # candidates, as when windows were 30: windows after a tiny graph's model only add to its planning time).
         one_window = bool(cands) and len(all_cands) <= 2 * opts.window_size
         if (len(problem.ops) <= opts.max_window_ops and not one_window
                 and (good_enough_us is None or best[0] > good_enough_us) and not out_of_time()):
