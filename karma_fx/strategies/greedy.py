@@ -170,14 +170,14 @@ class Greedy:
                     quota_best = key[1]
                 if not fits and (lowest is None or key < lowest[:2]):
                     lowest = (*key, decisions, label)
-        late = (progress.stopped_note(),) if stopped else ()
+        cut = (progress.stopped_note(),) if stopped else ()
         if best is not None:
             decisions, loosened = loosen_releases(problem, costs, budget_bytes, best[1])
             return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
-                        notes=(best[2] + (f", {loosened} waits for a copy out dropped" if loosened else ""),) + late)
+                        notes=(best[2] + (f", {loosened} waits for a copy out dropped" if loosened else ""),) + cut)
         assert lowest is not None
         return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lowest[2],
-                    notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",) + late)
+                    notes=(lowest[3] + ": the leanest this heuristic gets, above the budget",) + cut)
 
     @staticmethod
     def _orders(cheap_first: list[Gap], chains: dict, away: set[str], boundaries: set[str]) -> dict[str, list[Gap]]:
@@ -257,8 +257,8 @@ class Greedy:
             else:
                 lo = mid + 1
         decisions = plan_with(hi, queue)
-        late = "" if queue else ", fetched on demand"
-        return True, (0, timeline(decisions).makespan_us), decisions, label + f", {hi} evicted{late}"
+        fetching = "" if queue else ", fetched on demand"
+        return True, (0, timeline(decisions).makespan_us), decisions, label + f", {hi} evicted{fetching}"
 
 
 def bounded_drops(problem: Problem, costs: Costs, builder: RecomputeBuilder, cheap_first: list[Gap], chains: dict,
