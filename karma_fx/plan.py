@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 from karma_fx.budget import format_bytes
+from karma_fx.errors import InvalidPlanError, PlanFormatError
 from karma_fx.schedule import MAX_NAMES, ScheduleRow, schedule_table
+
+
+class PlanValueError(PlanFormatError, InvalidPlanError):
+    """A saved plan whose field holds a value no plan can have: a negative byte count or time, a recompute
+    group without ops. Both a malformed file (``PlanFormatError``, like every other unreadable plan) and an
+    invalid plan (``InvalidPlanError``), so either ``except`` catches it."""
+
 
 SCHEMA_VERSION = 2
 """2 added the weights-out-of-core decisions (``stream_weight``, ``grad_to_host``)."""
@@ -207,8 +216,6 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         """The plan ``to_dict`` wrote. Every field's type is checked first (a hand-edited or truncated file must
         not surface later as a deep error in the rewrite), then every tensor may be moved by one decision only."""
-        from karma_fx.errors import PlanFormatError
-
         if not isinstance(data, dict):
             raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}; pass what Plan.to_dict "
                                   "or Plan.save wrote")
@@ -222,6 +229,9 @@ class Plan:
             raise PlanFormatError(f"unknown plan fields: {sorted(unknown)}; remove them or re-plan the model")
         kwargs = {k: v for k, v in data.items() if k in names}
         _check_record(kwargs, cls, "plan")
+        _check_ranges(kwargs, "plan")
+        for i, row in enumerate(kwargs.get("schedule", ())):
+            _check_ranges(row, f"schedule[{i}]")
         kwargs["decisions"] = tuple(_decision_from_dict(d, f"decisions[{i}]")
                                     for i, d in enumerate(kwargs.get("decisions", ())))
         kwargs["schedule"] = tuple(ScheduleRow(**{k: tuple(v) if isinstance(v, (list, tuple)) else v
@@ -234,8 +244,6 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Plan":
-        from karma_fx.errors import PlanFormatError
-
         try:
             data = json.loads(text)
         except UnicodeDecodeError as exc:
@@ -253,8 +261,6 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         """Read a plan written by ``save``; any unreadable file is a ``PlanFormatError`` naming the path."""
-        from karma_fx.errors import PlanFormatError
-
         try:
             raw = Path(path).read_bytes()
         except FileNotFoundError:
@@ -264,7 +270,7 @@ class Plan:
         try:
             return cls.from_json(raw)
         except PlanFormatError as exc:
-            raise PlanFormatError(f"{path}: {exc}") from None
+            raise type(exc)(f"{path}: {exc}") from None  # keep the class: a PlanValueError stays one
 
 
 _DASH = "-"
@@ -333,8 +339,6 @@ _SHAPES = {cls: _shape(cls) for cls in (Plan, Offload, Recompute, Window, Stream
 
 def _check_record(data: dict[str, Any], cls: type, where: str) -> None:
     """Reject a missing, unknown or wrongly typed field of ``cls`` in ``data``, naming it by its path."""
-    from karma_fx.errors import PlanFormatError
-
     shape = _SHAPES[cls]
     unknown = sorted(set(data) - set(shape))
     if unknown:
@@ -352,11 +356,25 @@ def _check_record(data: dict[str, Any], cls: type, where: str) -> None:
         _check_record(row, ScheduleRow, f"schedule[{i}]")
 
 
+_NON_NEGATIVE = ("budget_bytes", "peak_bytes", "unplanned_peak_bytes", "host_peak_bytes", "step_time_us",
+                 "unlimited_step_time_us", "lower_bound_us", "predicted_step_time_us", "device_bytes", "stall_us")
+"""Byte counts and times, of the plan and of its schedule rows: none can be negative, infinite or NaN (JSON
+as Python writes it may hold ``NaN`` and ``Infinity``), and the rewrite and the tables would compute with
+them as if they were real."""
+
+
+def _check_ranges(data: dict[str, Any], where: str) -> None:
+    """Refuse a number no plan can hold in a record whose types ``_check_record`` already checked."""
+    for name in _NON_NEGATIVE:
+        value = data.get(name)
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise PlanValueError(f"malformed plan: {where}.{name} must be a finite number >= 0, got {value!r}; fix "
+                                 "the file or re-plan the model")
+
+
 def _check_one_decision_per_tensor(decisions: tuple[Decision, ...]) -> None:
     """Two decisions about one tensor (offloaded twice, offloaded and recomputed, in two recompute chains)
     contradict each other: the rewrite would free or rebuild it twice."""
-    from karma_fx.errors import PlanFormatError
-
     seen: dict[str, int] = {}
     for i, d in enumerate(decisions):
         for tensor in (d.tensors if isinstance(d, Recompute) else (d.tensor,)):
@@ -368,8 +386,6 @@ def _check_one_decision_per_tensor(decisions: tuple[Decision, ...]) -> None:
 
 
 def _decision_from_dict(data: Any, where: str) -> Decision:
-    from karma_fx.errors import PlanFormatError
-
     if not isinstance(data, dict):
         raise PlanFormatError(f"malformed plan: {where} must be an object, got {data!r:.80}; fix the file or "
                               "re-plan the model")
@@ -382,6 +398,11 @@ def _decision_from_dict(data: Any, where: str) -> Decision:
            "GradToHost": GradToHost}[_KINDS[kind]]
     where = f"{where} ({kind})"
     _check_record(body, cls, where)
+    if cls is Recompute:
+        for name in ("tensors", "ops"):
+            if not body[name]:
+                raise PlanValueError(f"malformed plan: {where}.{name} is empty: a recompute group drops at least "
+                                     "one tensor and re-runs at least one op; fix the file or re-plan the model")
     if cls is StreamWeight:
         for j, w in enumerate(body["windows"]):
             _check_record(w, Window, f"{where}.windows[{j}]")

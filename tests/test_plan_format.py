@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from karma_fx.errors import KarmaError, PlanFormatError
+from karma_fx.errors import InvalidPlanError, KarmaError, PlanFormatError
 from karma_fx.plan import GradToHost, Offload, Plan, Recompute, ScheduleRow, StreamWeight, Window
 
 
@@ -106,3 +106,42 @@ def test_every_reading_error_is_a_karma_error_with_advice():
         with pytest.raises(KarmaError) as info:
             Plan.from_json(bad)
         assert "re-plan" in str(info.value) or "Plan.save" in str(info.value) or "fix" in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("budget_bytes", -1), ("peak_bytes", -5), ("unplanned_peak_bytes", -1), ("host_peak_bytes", -1),
+    ("step_time_us", -0.5), ("unlimited_step_time_us", float("nan")), ("lower_bound_us", float("inf")),
+    ("predicted_step_time_us", -1e-9),
+])
+def test_negative_or_non_finite_figures_are_rejected(tmp_path, field, value):
+    data = sample()
+    data[field] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))  # Python's json writes NaN and Infinity, and reads them back
+    with pytest.raises(InvalidPlanError, match=f"plan.{field} must be a finite number >= 0") as info:
+        Plan.load(path)
+    assert isinstance(info.value, PlanFormatError) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("key, value", [("device_bytes", -10), ("stall_us", -1.5), ("stall_us", float("nan"))])
+def test_negative_schedule_figures_are_rejected(key, value):
+    data = sample()
+    data["schedule"][0][key] = value
+    with pytest.raises(InvalidPlanError, match=rf"schedule\[0\].{key}"):
+        Plan.from_dict(data)
+
+
+@pytest.mark.parametrize("key", ["ops", "tensors"])
+def test_recompute_group_without_ops_or_tensors_is_rejected(tmp_path, key):
+    data = sample()
+    data["decisions"][1][key] = []
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidPlanError, match=rf"decisions\[1\] \(recompute\).{key} is empty"):
+        Plan.load(path)
+
+
+def test_zero_figures_still_load():
+    data = sample()
+    data.update(peak_bytes=0, step_time_us=0.0, lower_bound_us=0)
+    assert Plan.from_dict(data).peak_bytes == 0
