@@ -1,9 +1,15 @@
 """The exact planner's knobs, in one frozen value: time, workers, and the sizes above which a phase is skipped."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import numbers
+from dataclasses import dataclass, fields
 
+from karma_fx.errors import KarmaError
 from karma_fx.strategies.cpsat.model import MEMORY_UNIT
+
+INT32_MAX = 2 ** 31 - 1
+"""CP-SAT's ``random_seed`` is a 32-bit integer."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,24 @@ class SolverOptions:
     """The same for the model of one repeated block (``repeat.py``), solved once for a whole group of blocks,
     which is worth more time per tensor than a tiny graph's whole model."""
 
+    def __post_init__(self) -> None:
+        """Refuse a value the planner cannot honour now, naming the field: a negative or infinite time limit
+        used to be taken as given, and a solve then ran for as long as its other limits allowed."""
+        for name, (low, high, low_open) in _FLOAT_RANGES.items():
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value))
+                    or float(value) < low or (low_open and float(value) == low) or float(value) > high):
+                bounds = f"above {low:g}" if low_open else f"at least {low:g}"
+                bounds += f" and at most {high:g}" if math.isfinite(high) else ""
+                raise KarmaError(f"SolverOptions.{name} must be a finite number {bounds}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name, (low, high) in _INT_RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+                bounds = f"at least {low}" + (f" and at most {high}" if high != math.inf else "")
+                raise KarmaError(f"SolverOptions.{name} must be an integer {bounds}, got {value!r}")
+            object.__setattr__(self, name, int(value))
+
     def effort_s(self, n_candidates: int, per_candidate: float | None = None) -> float:
         """The time limit of one whole-graph solve over ``n_candidates`` tensors (``per_candidate`` seconds
         each, default ``seconds_per_candidate``)."""
@@ -66,3 +90,25 @@ class SolverOptions:
         """The time limit of the exact pass, which starts from the capacity model's decisions polished by the
         local search: a quarter of ``time_limit_s`` at most."""
         return min(self.time_limit_s / 4, max(1.0, self.seconds_per_candidate * n_candidates / 2))
+
+
+_FLOAT_RANGES: dict[str, tuple[float, float, bool]] = {
+    "time_limit_s": (0.0, math.inf, True),
+    "seconds_per_candidate": (0.0, math.inf, True),
+    "block_seconds_per_candidate": (0.0, math.inf, True),
+    "good_enough_gap": (0.0, math.inf, False),
+    "capacity_gap_share": (0.0, 1.0, False),
+}
+"""Number fields: (lowest, highest, whether the lowest itself is refused)."""
+_INT_RANGES: dict[str, tuple[int, float]] = {
+    "workers": (1, math.inf),
+    "seed": (-INT32_MAX - 1, INT32_MAX),
+    "max_candidates": (0, math.inf),
+    "memory_unit_bytes": (1, math.inf),
+    "window_size": (1, math.inf),
+    "max_windows": (0, math.inf),
+    "max_window_ops": (0, math.inf),
+}
+"""Integer fields: (lowest, highest)."""
+assert set(_FLOAT_RANGES) | set(_INT_RANGES) == {f.name for f in fields(SolverOptions)}, \
+    "every SolverOptions field needs a range here"

@@ -1,0 +1,32 @@
+"""Bad input to the planner's knobs is refused at once, naming the field, instead of being taken as given."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from karma_fx.errors import KarmaError
+from karma_fx.strategies import SolverOptions
+
+
+@pytest.mark.parametrize("field, value", [
+    ("time_limit_s", -1), ("time_limit_s", 0), ("time_limit_s", math.nan), ("time_limit_s", math.inf),
+    ("time_limit_s", "20"), ("time_limit_s", True), ("time_limit_s", None),
+    ("workers", 0), ("workers", 2.0), ("workers", False), ("seed", 2 ** 31), ("seed", "0"),
+    ("max_candidates", -1), ("seconds_per_candidate", 0.0), ("seconds_per_candidate", math.inf),
+    ("memory_unit_bytes", 0), ("good_enough_gap", -0.01), ("good_enough_gap", math.nan),
+    ("capacity_gap_share", 1.5), ("window_size", 0), ("max_windows", -1), ("max_window_ops", -3),
+    ("block_seconds_per_candidate", -0.4),
+])
+def test_solver_options_refuse_bad_values(field, value):
+    with pytest.raises(KarmaError, match=rf"SolverOptions\.{field} must be"):
+        SolverOptions(**{field: value})
+
+
+def test_solver_options_keep_good_values():
+    opts = SolverOptions(time_limit_s=2, workers=1, seed=-7, max_candidates=0, good_enough_gap=0,
+                         capacity_gap_share=1, max_windows=0, max_window_ops=0, memory_unit_bytes=1)
+    assert opts.time_limit_s == 2.0 and isinstance(opts.time_limit_s, float)
+    assert (opts.workers, opts.seed, opts.max_candidates, opts.memory_unit_bytes) == (1, -7, 0, 1)
+    assert opts.effort_s(10) == 2.0 and opts.exact_effort_s(10) == 0.5  # a quarter of the limit
+    assert SolverOptions() == SolverOptions(time_limit_s=20.0)
