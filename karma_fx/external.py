@@ -80,24 +80,61 @@ def _load(source: Union[str, Path, Mapping[str, Any]]) -> tuple[Mapping[str, Any
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise GraphFormatError(f"cannot read graph file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise GraphFormatError(f"graph file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); pass a "
+                               "node-link JSON file") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise GraphFormatError(f"graph file {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:
+        raise GraphFormatError(f"graph file {path} is not a node-link graph: its JSON is nested too deeply to "
+                               "read") from None
     if not isinstance(data, Mapping):
         raise GraphFormatError(f"graph file {path} holds a JSON {type(data).__name__}, not a node-link object")
     return data, path.stem
 
 
-def _number(node: Mapping[str, Any], key: str, what: str, node_id: Any) -> float:
+MAX_TOTAL_TIME = 1e15
+"""Largest sum of the nodes' times (µs, or any time unit): the CP-SAT models count time in integers of
+0.1 µs (int64), and a plan may run every node twice; 1e15 µs is 31 years of compute."""
+MAX_TOTAL_BYTES = 2 ** 53
+"""Largest sum of the nodes' output sizes (8 PiB): beyond it byte counts are no longer exact as floats, and
+the planner's sums and tables would be silently wrong."""
+
+
+def _number(node: Mapping[str, Any], key: str, what: str, node_id: Any, limit: float, unit: str) -> float:
+    """``node[key]`` as a float in ``[0, limit]``, or a ``GraphFormatError`` naming the node and the key."""
     if key not in node:
         raise GraphFormatError(f"node {node_id!r} has no {key!r} ({what})")
     value = node[key]
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise GraphFormatError(f"node {node_id!r}: {key} must be a finite number, got {value!r}")
+    shown = f"{value!r:.40}"
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise GraphFormatError(f"node {node_id!r}: {key} must be a finite number, got {shown}")
+    if isinstance(value, numbers.Integral):  # exact: an int too large for a float must not raise OverflowError
+        if value < 0:
+            raise GraphFormatError(f"node {node_id!r}: {key} must not be negative, got {shown}")
+        if value > limit:
+            raise GraphFormatError(f"node {node_id!r}: {key} {shown} is out of range (at most {limit:g} {unit})")
+        return float(value)
+    if not math.isfinite(value):
+        raise GraphFormatError(f"node {node_id!r}: {key} must be a finite number, got {shown}")
     if value < 0:
-        raise GraphFormatError(f"node {node_id!r}: {key} must not be negative, got {value!r}")
+        raise GraphFormatError(f"node {node_id!r}: {key} must not be negative, got {shown}")
+    if value > limit:
+        raise GraphFormatError(f"node {node_id!r}: {key} {shown} is out of range (at most {limit:g} {unit})")
     return float(value)
+
+
+def _costs(by_id: Mapping[Any, Mapping[str, Any]], order: list, key: str, what: str, limit: float,
+           unit: str) -> list[float]:
+    """Every node's ``key`` in execution order, each and their sum at most ``limit``."""
+    values = [_number(by_id[i], key, what, i, limit, unit) for i in order]
+    total = sum(values)
+    if total > limit:
+        raise GraphFormatError(f"the nodes' {key} values add up to {total:g} {unit}, more than the {limit:g} "
+                               f"{unit} the planner can count exactly; check the graph's units")
+    return values
 
 
 def _tag(graph_attrs: Mapping[str, Any], nodes: list, attr: str, defaults: tuple[str, str]) -> str:
@@ -176,6 +213,10 @@ def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | N
     if flagged and len(flagged) < len(nodes):
         missing = next(n["id"] for n in nodes if "backward" not in n)
         raise GraphFormatError(f"node {missing!r} has no 'backward' flag (other nodes have one)")
+    for n in nodes:
+        label = n.get("name")
+        if label is not None and (not isinstance(label, (str, int, float)) or isinstance(label, bool)):
+            raise GraphFormatError(f"node {n['id']!r}: name must be a string, got {type(label).__name__}")
     for n in flagged:
         if not isinstance(n["backward"], bool):
             raise GraphFormatError(f"node {n['id']!r}: backward must be true or false, got {n['backward']!r}")
@@ -226,8 +267,8 @@ def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | N
     if len(set(names)) != len(names):
         names = [f"{r}#{i}" for r, i in zip(raw, order)]
 
-    times = tuple(_number(by_id[i], cpu_tag, "its compute time", i) for i in order)
-    sizes = [_number(by_id[i], ram_tag, "the bytes of its output", i) for i in order]
+    times = tuple(_costs(by_id, order, cpu_tag, "its compute time", MAX_TOTAL_TIME, "time units"))
+    sizes = _costs(by_id, order, ram_tag, "the bytes of its output", MAX_TOTAL_BYTES, "bytes")
     num_fwd = sum(1 for b in backward if not b)
     ops, storages = [], []
     for k, node_id in enumerate(order):

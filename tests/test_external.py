@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -101,6 +102,59 @@ def test_unreadable_files_are_typed(tmp_path):
     bad.write_text("{nodes: ")
     with pytest.raises(GraphFormatError, match="not JSON"):
         read_node_link(bad)
+
+
+def _node_change(key: str, value: object):
+    return lambda d: d["nodes"][2].update({key: value})
+
+
+@pytest.mark.parametrize("change, needle", [
+    (_node_change("cost_ram", 1e300), r"node 2: cost_ram 1e\+300 is out of range"),
+    (_node_change("cost_ram", 10 ** 400), "node 2: cost_ram 1000.* is out of range"),
+    (_node_change("cost_ram", -10 ** 400), "node 2: cost_ram must not be negative"),
+    (_node_change("cost_cpu", 1e300), r"node 2: cost_cpu 1e\+300 is out of range"),
+    (_node_change("cost_cpu", float("inf")), "node 2: cost_cpu must be a finite number"),
+    (_node_change("cost_ram", float("nan")), "node 2: cost_ram must be a finite number"),
+    (_node_change("cost_ram", -0.5), "node 2: cost_ram must not be negative"),
+    (_node_change("cost_ram", True), "node 2: cost_ram must be a finite number, got True"),
+    (_node_change("cost_cpu", "3"), "node 2: cost_cpu must be a finite number, got '3'"),
+    (_node_change("cost_cpu", None), "node 2: cost_cpu must be a finite number, got None"),
+    (_node_change("name", ["loss"]), "node 2: name must be a string"),
+    (lambda d: [n.update(cost_ram=2 ** 52) for n in d["nodes"]], "cost_ram values add up to"),
+])
+def test_out_of_range_costs_are_typed(change, needle):
+    with pytest.raises(GraphFormatError, match=needle):
+        prepare_graph(_broken(change))
+
+
+def _cli_error(tmp_path, capsys, content: bytes) -> str:
+    """Run ``karma-fx plan --graph`` on a file holding ``content``; return its one-line error."""
+    from karma_fx.cli import main
+
+    path = tmp_path / "graph.json"
+    path.write_bytes(content)
+    code = main(["plan", "--graph", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("karma-fx: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"\xff\xfe\x00\x81", "is not UTF-8 text"),
+    (b"[" * 100000, "nested too deeply"),
+    (b'{"a": ' * 100000, "nested too deeply"),
+    (json.dumps(_broken(_node_change("cost_ram", 1e300))).encode(), "cost_ram 1e+300 is out of range"),
+    (json.dumps(_broken(_node_change("cost_cpu", -1))).encode(), "cost_cpu must not be negative"),
+    (json.dumps(_broken(_node_change("cost_ram", False))).encode(), "cost_ram must be a finite number"),
+    (json.dumps(_broken(_node_change("cost_cpu", float("nan")))).encode(), "cost_cpu must be a finite number"),
+])
+def test_unreadable_graph_files(tmp_path, capsys, content, needle):
+    path = tmp_path / "graph.json"
+    path.write_bytes(content)
+    with pytest.raises(GraphFormatError, match=re.escape(needle)):
+        prepare_graph(path)
+    assert needle in _cli_error(tmp_path, capsys, content)
 
 
 def test_generator_is_deterministic_and_reads_back():
