@@ -258,6 +258,10 @@ class GradientPipeline:
         end = time.perf_counter()
         self.trace_events.append(("backward", "backward", self._backward_start or end, end))
         self._backward_start = None
+        if self.accumulating:
+            # no_sync(): every gradient went to ``.grad``; nothing was sent, nothing is clipped or updated. The
+            # first backward outside takes ``.grad`` in, and clips the accumulated total, as eager training does.
+            return
         self.buckets = [list(b.slots) for b in self._sent]
         try:
             if self.max_grad_norm is not None:

@@ -85,3 +85,32 @@ def test_the_host_optimizer_reads_a_gradient_only_once_its_copy_landed():
     assert any(type(d).__name__ == "GradToHost" for d in step.plan.decisions)
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         assert ((p - q).abs().max() / q.abs().max()).item() <= 1e-6, n
+
+
+def test_max_grad_norm_clips_the_total_accumulated_under_no_sync():
+    """Gradient accumulation with clipping, as eager training does it: the backward passes under ``no_sync()``
+    and the one after it add up, the total is clipped with ``clip_grad_norm_``, then the optimizer steps
+    (``no_sync`` used to end its backward by clipping nothing: ``stack expects a non-empty TensorList``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    step = karma_fx.compile(model, budget="1MiB", optimizer=sgd, max_grad_norm=1.0)
+    ordinary = sgd(reference.parameters())
+    loss = lambda y: (y ** 2).mean()  # noqa: E731
+    for i in range(2):
+        xs = [torch.randn(16, 8) * 10 for _ in range(3)]  # large inputs: the norm is far above 1, so it clips
+        with step.no_sync():
+            loss(step(xs[0])).backward()
+            loss(step(xs[1])).backward()
+        loss(step(xs[2])).backward()
+        step.pipeline.wait_updates()
+        for x in xs:
+            loss(reference(x)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        assert norm > 10 and step.pipeline.last_grad_norm == pytest.approx(float(norm), rel=1e-6)
+        ordinary.step()
+        ordinary.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert p.grad is None, "the update took in the accumulated gradient"
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
