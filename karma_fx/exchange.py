@@ -24,6 +24,10 @@ returns no gradient for it: the ``GradientPipeline`` takes it from there.
 - ``max_grad_norm``: updates wait for the whole backward, the global norm is computed (after the exchange),
   gradients are scaled as ``torch.nn.utils.clip_grad_norm_`` does, then the optimizer steps.
 
+- Lifetime: Dynamo keeps every compiled module's backend and graphs (until ``torch._dynamo.reset()``), and
+  they reach the pipeline; ``tie_to(module)`` makes the module's deletion ``close`` it, which lets go of the
+  parameters, the optimizer state, the master copies and the worker thread.
+
 On CUDA the host update works on fp32 master copies in pinned host memory: the reduced gradient is copied
 out, the master is updated, and the parameter is refreshed from it. On the CPU the parameter is its own
 master. Events with wall-clock times are kept per step (``trace_events``) as evidence of the overlap.
@@ -104,9 +108,12 @@ class GradientPipeline:
             if not isinstance(built, torch.optim.Optimizer):
                 raise KarmaError(f"optimizer must build a torch.optim.Optimizer, got {type(built).__name__}")
             self.optimizer = built
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="karma-host-update") \
+        self._worker_threads: set[int] = set()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="karma-host-update",
+                                          initializer=_note_thread, initargs=(self._worker_threads,)) \
             if optimizer is not None else None
         weakref.finalize(self, _shutdown, self._worker)
+        self.closed = False
         self._pending: list[Future] = []
         self._lock = threading.Lock()
         self._expected: dict[int, int] = {}
@@ -120,6 +127,38 @@ class GradientPipeline:
         self.trace_events: list[tuple[str, str, float, float]] = []
         """(name, category, start s, end s) of the last step: all-reduces, host updates, backward."""
         self._backward_start: float | None = None
+
+    # ---- lifetime ---------------------------------------------------------------------------------------
+    def tie_to(self, owner: object) -> None:
+        """Close this pipeline when ``owner`` (the compiled module) is garbage collected.
+
+        Deleting the compiled module does not free the pipeline itself: Dynamo keeps the backend and the
+        compiled graphs of every module it compiled (its backend cache, and the cache entries on the model
+        class's ``forward`` code) until ``torch._dynamo.reset()``, and those reach the pipeline. Tied to its
+        owner, the pipeline lets go of what is large (parameters, optimizer state, master copies, the worker
+        thread) when the owner goes, whoever still holds the empty shell."""
+        weakref.finalize(owner, _close, weakref.ref(self))
+
+    def close(self) -> None:
+        """Let go of the parameters, the optimizer and its state, the master copies and the worker thread
+        (ended, after the update it is running if any; queued ones are cancelled: nobody can see them now).
+        Idempotent; a pipeline closed cannot take gradients any more."""
+        if self.closed:
+            return
+        self.closed = True
+        _pipelines.pop(self.id, None)
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            # A finalizer may run on any thread, the worker's own included, and a thread cannot wait for itself.
+            worker.shutdown(wait=threading.get_ident() not in self._worker_threads, cancel_futures=True)
+        self.params, self._slot, self._masters, self.optimizer = [], {}, {}, None
+        self._pending, self._expected, self._partial, self._final = [], {}, {}, []
+        self._bucket, self._sent = _Bucket(), []
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise KarmaError("this compiled module was deleted: its host optimizer and gradient pipeline are "
+                             "closed; keep the module karma_fx.compile returned alive while you train with it")
 
     def _master(self, slot: int) -> torch.Tensor:
         p = self.params[slot]
@@ -144,6 +183,7 @@ class GradientPipeline:
     # ---- announced by each forward run of a region ----------------------------------------------------
     def expect(self, params: list[torch.Tensor]) -> None:
         """A forward run whose backward will produce gradients for ``params``."""
+        self._check_open()
         self.wait_updates()
         for p in params:
             slot = self._slot.get(id(p))
@@ -155,6 +195,7 @@ class GradientPipeline:
 
     # ---- during backward --------------------------------------------------------------------------
     def ready(self, grad: torch.Tensor, param: torch.Tensor) -> None:
+        self._check_open()
         slot = self._slot.get(id(param))
         if slot is None or slot not in self._expected:
             raise KarmaError("a gradient reached the host pipeline for a parameter no forward announced; "
@@ -312,6 +353,17 @@ def _shutdown(worker: ThreadPoolExecutor | None) -> None:
         worker.shutdown(wait=False)
 
 
+def _close(pipeline: "weakref.ref[GradientPipeline]") -> None:
+    alive = pipeline()
+    if alive is not None:
+        alive.close()
+
+
+def _note_thread(threads: set[int]) -> None:
+    """The worker's initializer: remember its thread, so ``close`` never waits for the thread it runs on."""
+    threads.add(threading.get_ident())
+
+
 def _exchange_error(what: str, exc: Exception) -> ExchangeError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return ExchangeError(f"{what} failed: a rank died or did not answer within the process group's timeout "
@@ -332,7 +384,12 @@ def broadcast_from_rank0(module: torch.nn.Module) -> None:
 
 def gradient_ready(grad: torch.Tensor, param: torch.Tensor, pipeline: int) -> None:
     """Called from the backward graph: ``grad`` of ``param`` is produced and backward no longer reads it."""
-    _pipelines[pipeline].ready(grad, param)
+    target = _pipelines.get(pipeline)
+    if target is None:  # closed with its module, or collected: the backward outlived the compiled module
+        raise KarmaError("the compiled module this backward belongs to was deleted before its backward ran: its "
+                         "host optimizer and gradient pipeline are closed; keep the module karma_fx.compile "
+                         "returned alive until loss.backward() has returned")
+    target.ready(grad, param)
 
 
 def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline) -> list[int]:
