@@ -34,6 +34,10 @@ class Op:
     """Draws random numbers (dropout, randn): never recomputed, its result would differ."""
     mutates: bool = False
     """Has a side effect (buffer update, in-place op): never run twice."""
+    module: str = field(default="", compare=False)
+    """The innermost ``nn.Module`` the op ran in, as ``model.named_modules()`` names it
+    (``transformer.h.3.mlp.c_fc``); a backward op carries its forward op's module. "" when unknown. A label for
+    people only: it takes no part in equality, so two captures of one graph are the same problem."""
 
     @property
     def recomputable(self) -> bool:
@@ -118,6 +122,40 @@ class Problem:
     @property
     def param_bytes(self) -> int:
         return sum(s.size_bytes for s in self.storages if s.kind == "param")
+
+
+def short_target(target: str) -> str:
+    """``aten.mm.default`` → ``aten.mm``: the default overload says nothing a reader needs."""
+    return target[: -len(".default")] if target.endswith(".default") else target
+
+
+def describe_op(op: Op) -> str:
+    """An op named for a person: ``mm_12 (aten.mm in transformer.h.3.mlp.c_fc)``; what errors that name an
+    op of a ``Problem`` should say."""
+    return describe_node(op.name, op.target, op.module)
+
+
+def describe_node(name: str, target: str = "", module: str = "") -> str:
+    """``describe_op`` from a node's name, target and module, for errors raised before the ``Problem`` exists:
+    ``mm_12 (aten.mm in transformer.h.3.mlp.c_fc)``, ``mm_12 (aten.mm)`` when the module is unknown."""
+    what = short_target(target) if target and target != name else ""
+    inner = f"{what} in {module}" if what and module else (f"in {module}" if module else what)
+    return f"{name} ({inner})" if inner else name
+
+
+def short_module(module: str, max_chars: int = 28) -> str:
+    """``module`` cut to its last dotted components that fit in ``max_chars`` (at least the last two), behind
+    a leading ``…`` when cut: ``encoder.block.11.layer.1.DenseReluDense.wi`` → ``…layer.1.DenseReluDense.wi``.
+    A table column stays narrow while what tells layers apart, the layer number and the submodule, survives:
+    GPT-2's ``transformer.h.11.mlp.c_proj`` fits whole, Llama's ``model.layers.7.self_attn.q_proj`` loses
+    ``model.``."""
+    parts = module.split(".")
+    if len(module) <= max_chars or len(parts) <= 2:
+        return module
+    keep = 2
+    while len(".".join(parts[-keep - 1:])) + 1 <= max_chars:
+        keep += 1
+    return "…" + ".".join(parts[-keep:])
 
 
 def with_scratch(problem: Problem, scratch: dict[str, int]) -> Problem:
