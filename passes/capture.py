@@ -181,7 +181,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
 
     # Decide whether the step differentiates a `loss` field: trace the forward once on fake tensors.
     probe = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=False)
-    with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("tracing the forward"):
+    scope = _ModuleScope(model)
+    with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("tracing the forward", scope), scope:
         state = {name: getattr(probe, slot) for name, slot in probe._names.items()}
         call_leaves = list(leaves)
         for slot, t in zip(tensor_slots, fake_inputs):
@@ -207,7 +208,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     def identity_compiler(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
         return gm
 
-    with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("capturing the training step"):
+    with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("capturing the training step", scope), \
+            scope:
         try:
             aot_module_simplified(step, tuple(fake_inputs), fw_compiler=identity_compiler,
                                   bw_compiler=identity_compiler, partition_fn=partition)
@@ -240,9 +242,72 @@ def _as_torch_compile_sees_it():
         torch.compiler.is_compiling = original  # type: ignore[assignment]
 
 
+class _ModuleScope:
+    """The model's modules a trace is inside, outermost first, by their ``named_modules()`` names.
+
+    While it is entered, every call of one of the model's submodules is pushed on the stack and popped on
+    return, and the stack is written where FX copies node metadata from (``torch.fx.traceback``'s current meta,
+    as ``nn_module_stack`` in Dynamo's format): AOTAutograd, tracing the step, then records on each forward
+    node the module it ran in, as under ``torch.compile``, and hands it on to the backward nodes
+    differentiating that node (``fwd_nn_module_stack``); the liveness pass reads both. Global module hooks, so
+    the user's modules are not touched. A failing call never returns, so after an error ``where`` names the
+    module it failed in."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._names = {id(m): name for name, m in model.named_modules() if name}
+        self._stack: list[tuple[str, type]] = []
+        self._handles: list[Any] = []
+
+    @property
+    def where(self) -> str:
+        """The innermost module the trace is (or was, when it failed) inside; "" for the model itself."""
+        return self._stack[-1][0] if self._stack else ""
+
+    def _publish(self) -> None:
+        from torch.fx import traceback as fx_traceback
+
+        if not fx_traceback.has_preserved_node_meta():  # not inside AOTAutograd's trace: no node to label
+            return
+        meta = fx_traceback.current_meta  # a copy AOTAutograd drops when its trace ends: look it up each time
+        if self._stack:
+            meta["nn_module_stack"] = {name: (name, cls) for name, cls in self._stack}
+        else:
+            meta.pop("nn_module_stack", None)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is not None:
+            self._stack.append((name, type(module)))
+            self._publish()
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            return
+        # Pop to this module's own entry: an inner call whose error the model caught never returned.
+        for k in range(len(self._stack) - 1, -1, -1):
+            if self._stack[k][0] == name:
+                del self._stack[k:]
+                self._publish()
+                return
+
+    def __enter__(self) -> "_ModuleScope":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._stack.clear()
+        self._handles = [register_module_forward_pre_hook(self._enter), register_module_forward_hook(self._leave)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []  # the stack stays as it is, for ``where``
+
+
 @contextlib.contextmanager
-def _friendly_errors(what: str):
-    """Turn tracing failures (data-dependent ops, dynamic shapes, unsupported ops) into UnsupportedModelError."""
+def _friendly_errors(what: str, scope: _ModuleScope | None = None):
+    """Turn tracing failures (data-dependent ops, dynamic shapes, unsupported ops) into UnsupportedModelError,
+    naming the module the trace failed in when ``scope`` knows it."""
     try:
         yield
     except KarmaError:
@@ -256,4 +321,6 @@ def _friendly_errors(what: str):
                     "step; move it out of the captured region or make it shape-static.")
         elif "DynamicOutputShape" in name:
             hint = " An op's output shape depends on tensor values; karma_fx needs static shapes."
-        raise UnsupportedModelError(f"karma_fx could not capture the model while {what}: {name}: {first}.{hint}") from exc
+        where = f" in {scope.where}" if scope is not None and scope.where else ""
+        raise UnsupportedModelError(f"karma_fx could not capture the model while {what}{where}: {name}: {first}."
+                                    f"{hint}") from exc
