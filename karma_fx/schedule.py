@@ -34,6 +34,8 @@ class ScheduleRow:
     free: tuple[str, ...] = ()
     device_bytes: int = 0
     stall_us: float = 0.0
+    module: str = ""
+    """The module the op ran in (``karma_fx.problem.Op.module``), "" when unknown."""
 
 
 def _names(names: Sequence[str], limit: int | None = MAX_NAMES, max_chars: int = _MAX_CHARS) -> str:
@@ -50,12 +52,13 @@ def _names(names: Sequence[str], limit: int | None = MAX_NAMES, max_chars: int =
     return ", ".join(shown) + (f", +{rest} more" if rest else "")
 
 
-def _row_cells(row: ScheduleRow, max_names: int | None) -> list[str]:
+def _row_cells(row: ScheduleRow, max_names: int | None, modules: bool) -> list[str]:
     from karma_fx.budget import format_bytes
+    from karma_fx.problem import short_module
 
     stall = f"{row.stall_us:,.1f}" if row.stall_us else ""
-    return [row.op, ", ".join(row.offload), _names(row.prefetch, max_names), _names(row.recompute, max_names),
-            _names(row.free, max_names),
+    return [row.op, *([short_module(row.module)] if modules else []), ", ".join(row.offload),
+            _names(row.prefetch, max_names), _names(row.recompute, max_names), _names(row.free, max_names),
             format_bytes(row.device_bytes), stall]
 
 
@@ -66,23 +69,26 @@ def schedule_table(rows: Sequence[ScheduleRow], summary: Sequence[tuple[str, str
     With more than ``max_rows`` rows, the first and last ones are shown around a "… N more rows …" line
     (``None``: show all), since the interesting parts are usually the start of the forward pass and the end
     of the backward pass. Prefetch/recompute/free cells list at most ``max_names`` tensors (``None``: all);
-    offloaded tensors are always listed in full.
+    offloaded tensors are always listed in full. Beside each op, the module it ran in (``short_module``: its
+    last components), a column shown only when some row knows its module.
     """
     from tabulate import tabulate
 
     rows = list(rows)
     body: list[list[str]] = []
     limit = None if max_rows is None else max(max_rows, 0)
-    if limit is not None and len(rows) > limit:
-        head, tail = (limit + 1) // 2, limit // 2
-        body += [_row_cells(r, max_names) for r in rows[:head]]
-        body.append([f"… {len(rows) - head - tail} more rows …"] + [""] * (len(_HEADERS) - 1))
-        body += [_row_cells(r, max_names) for r in rows[len(rows) - tail:]]
-    else:
-        body = [_row_cells(r, max_names) for r in rows]
+    cut = limit is not None and len(rows) > limit
+    head, tail = ((limit + 1) // 2, limit // 2) if cut else (len(rows), 0)
+    shown = rows[:head] + rows[len(rows) - tail:]
+    modules = any(r.module for r in shown)  # no empty column for plans that know no modules (hand-made, old)
+    headers = _HEADERS[:1] + ["module"] * modules + _HEADERS[1:]
+    body += [_row_cells(r, max_names, modules) for r in rows[:head]]
+    if cut:
+        body.append([f"… {len(rows) - head - tail} more rows …"] + [""] * (len(headers) - 1))
+        body += [_row_cells(r, max_names, modules) for r in rows[len(rows) - tail:]]
     parts: list[str] = []
     if body:
-        parts.append(tabulate(body, headers=_HEADERS, tablefmt=tablefmt, disable_numparse=True))
+        parts.append(tabulate(body, headers=headers, tablefmt=tablefmt, disable_numparse=True))
     else:
         parts.append("(no schedule rows: nothing is offloaded, recomputed or waited for)")
     parts.append("")

@@ -741,5 +741,5 @@ def _schedule_rows(problem: Problem, memory: list[tuple[float, int]],
         if offload or prefetch or recompute or free or stall_at_op[i] > 0:
             device_bytes = max(m for _, m in memory[first_item[i]: op_item[i] + 1])
             rows.append(ScheduleRow(op=op.name, offload=offload, prefetch=prefetch, recompute=recompute, free=free,
-                                    device_bytes=device_bytes, stall_us=round(stall_at_op[i], 3)))
+                                    device_bytes=device_bytes, stall_us=round(stall_at_op[i], 3), module=op.module))
     return tuple(rows)
