@@ -58,6 +58,21 @@ def test_table_summary_counts_and_stalls(planned):
     assert stalled and f"{stalled[0].stall_us:,.1f}" in text
 
 
+def test_table_names_the_module_of_each_op(offloaded):
+    """The column beside the op says which layer of the model it is (``features.6``), forward and backward."""
+    from conftest import tiny
+
+    plan = offloaded.plan
+    model, _, _ = tiny("cnn")
+    names = {name for name, _ in model.named_modules() if name}
+    lines = plan.table(max_rows=None).splitlines()
+    assert lines[0].split()[:3] == ["op", "module", "offload"]
+    assert all(r.module in names for r in plan.schedule if r.module)
+    assert {offloaded.plan.schedule[0].module, offloaded.plan.schedule[-1].module} <= names
+    for r, line in zip(plan.schedule, lines[2:]):
+        assert line.split()[:2] == [r.op, r.module]
+
+
 def test_plan_loaded_from_json_prints_the_same_table(planned, tmp_path):
     path = tmp_path / "plan.json"
     planned.plan.save(path)
