@@ -1,9 +1,14 @@
 """``karma-fx``: plan a zoo model from the shell, compare strategies, list the zoo.
 
     karma-fx plan gpt2 --budget 0.7 --plot out/timeline.png
+    karma-fx plan cnn --size tiny                          # default budget: one that the model can reach
     karma-fx plan --graph graph.json --budget 0.8          # a node-link training graph, recompute only
-    karma-fx compare cnn --size tiny --budgets 0.9,0.8
+    karma-fx compare cnn --size tiny --budgets 0.9,0.8 --time-limit 5
     karma-fx models
+
+A plan shows its progress on stderr (stage, strategy, best plan so far) once it has lasted two seconds, from
+the capture to the last strategy; ``-q`` prints only the result, ``-v`` / ``-vv`` the ``karma_fx`` logger's
+INFO / DEBUG records instead of the progress line.
 
 Every error a user can fix (a ``KarmaError``: bad budget, infeasible budget, unknown model or strategy) is
 printed as one ``karma-fx: error: …`` line with exit status 2, never a traceback; the message already says
@@ -14,6 +19,9 @@ output formats) is checked before the slow capture, so a typo costs no wait.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import math
 import sys
 import time
 import warnings
@@ -24,10 +32,15 @@ from karma_fx.budget import format_bytes, parse_budget
 from karma_fx.errors import KarmaError
 
 PROG = "karma-fx"
-DEFAULT_MODEL = "gpt2"
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 """128 + SIGINT: what shells report for a command stopped by Ctrl-C, so scripts can tell it from a failure."""
+AUTO_BUDGET = "auto"
+AUTO_FRACTION = 0.5
+"""``--budget auto`` (the default): this fraction of the unplanned peak when a plan can reach it, else halfway
+from the smallest budget known to work to the unplanned peak. A fixed 0.5 was out of reach for eight of the
+eleven tiny zoo models (their weights are most of their peak), so a first ``karma-fx plan cnn --size tiny``
+ended in an error."""
 
 
 class CliError(KarmaError):
@@ -47,10 +60,31 @@ def _device_names() -> list[str]:
     return list(PRESETS)
 
 
+def _time_limit(text: str) -> float:
+    """``--time-limit``: a finite number of seconds above 0 (argparse turns the error into a usage line)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text!r}")
+    return seconds
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """``-q`` / ``-v``: what goes to stderr besides the result and errors."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true",
+                       help="print only the result: no progress line, no timings, no log records")
+    group.add_argument("-v", "--verbose", action="count", default=0,
+                       help="log the karma_fx logger's records to stderr: -v INFO (each planning stage), "
+                            "-vv DEBUG")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by ``plan`` and ``compare``: which model, at which size, on which device."""
+    """Options shared by ``plan`` and ``compare``: which model, at which size, on which device, how long."""
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help=f"zoo model (default {DEFAULT_MODEL}): {', '.join(_zoo_names())}")
+                   help=f"zoo model (required; karma-fx models lists them): {', '.join(_zoo_names())}")
     p.add_argument("--size", choices=("tiny", "real"), default=None,
                    help="real: the published architecture, built on the meta device (default); "
                         "tiny: a CPU-sized copy for quick checks")
@@ -66,6 +100,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "bf16 (bf16 weights)")
     p.add_argument("--device", default="h100",
                    help=f"device preset whose costs and speeds are used (default h100): {', '.join(_device_names())}")
+    p.add_argument("--time-limit", type=_time_limit, default=None, metavar="SECONDS",
+                   help="wall-clock limit of each planning (the capture excluded): the strategies stop starting "
+                        "new work then and return their best plan (default: the strategy's own limits)")
+    _add_output_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,9 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--allow-offload", action="store_true",
                         help="with --graph: let the plan offload too, reading cost_cpu as µs and copying over the "
                              "--device's host link")
-    p_plan.add_argument("--budget", default="0.5",
-                        help="device-memory budget: a size ('24GiB', '800MB') or a fraction of the unplanned "
-                             "peak ('0.5', the default)")
+    p_plan.add_argument("--budget", default=AUTO_BUDGET,
+                        help="device-memory budget: a size ('24GiB', '800MB'), a fraction of the unplanned peak "
+                             f"('0.5') or '{AUTO_BUDGET}' (the default): {AUTO_FRACTION:g} of the unplanned peak "
+                             "when a plan can reach it, else halfway from the smallest workable budget to the "
+                             "unplanned peak")
     p_plan.add_argument("--strategy", default=DEFAULT_STRATEGY,
                         help=f"one of {', '.join(STRATEGY_NAMES)} (default {DEFAULT_STRATEGY})")
     p_plan.add_argument("--json", metavar="FILE", help="save the plan as JSON (reload with karma_fx.Plan.load)")
@@ -109,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (with --nodes; default 1)")
     p_plan.add_argument("--network-gbps", type=float, default=100.0,
                         help="network bandwidth per node in Gbit/s (with --nodes; default 100, InfiniBand EDR)")
-    p_plan.set_defaults(func=cmd_plan)
+    p_plan.set_defaults(func=cmd_plan, parser=p_plan)
 
     p_cmp = sub.add_parser("compare", help="plan every strategy at several budgets and print a grid",
                            description="Capture once, then plan each strategy at each budget. Cells show the "
@@ -119,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated budgets, sizes or fractions (default 0.7,0.5,0.35,0.25)")
     p_cmp.add_argument("--strategies", default=",".join(STRATEGY_NAMES),
                        help=f"comma-separated strategies (default all: {','.join(STRATEGY_NAMES)})")
-    p_cmp.set_defaults(func=cmd_compare)
+    p_cmp.set_defaults(func=cmd_compare, parser=p_cmp)
 
     p_models = sub.add_parser("models", help="list the model zoo")
+    _add_output_args(p_models)
     p_models.set_defaults(func=cmd_models)
     return parser
 
@@ -139,7 +180,11 @@ def _check_device(name: str) -> str:
 
 _MODEL_FLAGS = (("model", "MODEL"), ("size", "--size"), ("batch", "--batch"), ("seq", "--seq"),
                 ("layers", "--layers"), ("precision", "--precision"))
-_MODEL_DEFAULTS = {"model": DEFAULT_MODEL, "size": "real", "precision": "fp32"}
+_MODEL_DEFAULTS = {"size": "real", "precision": "fp32"}
+
+
+class _NoModel(CliError):
+    """No MODEL named: answered with the command's usage, not by planning some model for minutes."""
 
 
 def _model_defaults(args: argparse.Namespace) -> None:
@@ -153,6 +198,9 @@ def _check_model(args: argparse.Namespace) -> None:
     """Reject an unknown model or a misapplied option before the (slow) import of transformers and capture."""
     from karma_fx.zoo import ZOO
 
+    if args.model is None:
+        raise _NoModel(f"name the model to plan: one of {', '.join(ZOO)} (karma-fx models describes them)"
+                       + (", or --graph FILE" if args.command == "plan" else ""))
     _model_defaults(args)
     if args.model not in ZOO:
         raise CliError(f"unknown model {args.model!r}; choose one of: {', '.join(ZOO)}")
@@ -191,7 +239,23 @@ def _prepare(args: argparse.Namespace) -> Any:
 def _check_budget(budget: str) -> None:
     """Validate a budget before the slow capture. A fraction needs the unplanned peak, not known yet, so a
     huge stand-in is used: with 1 every fraction below 1 would round to zero bytes and be refused."""
-    parse_budget(budget, 1 << 60)
+    if budget != AUTO_BUDGET:
+        parse_budget(budget, 1 << 60)
+
+
+def _resolve_budget(budget: str, prepared: Any) -> tuple[int | str, str]:
+    """The budget to plan at (``--budget`` as given, or bytes for ``auto``) and how to show it."""
+    if budget != AUTO_BUDGET:
+        return budget, budget
+    peak, floor = prepared.unplanned_peak_bytes, prepared.min_peak_bytes()
+    half = parse_budget(str(AUTO_FRACTION), peak)
+    if half >= floor:
+        return half, f"{AUTO_BUDGET} ({AUTO_FRACTION:g} of the unplanned peak)"
+    if floor >= peak:
+        return peak, f"{AUTO_BUDGET} (the unplanned peak: no plan here peaks lower)"
+    return (floor + peak + 1) // 2, (f"{AUTO_BUDGET} (halfway from the smallest workable budget, "
+                                     f"{format_bytes(floor)}, to the unplanned peak: {AUTO_FRACTION:g} of it is "
+                                     "out of reach)")
 
 
 def _check_plot_path(path: str) -> None:
@@ -209,19 +273,56 @@ def _check_plot_path(path: str) -> None:
                        f"{', '.join('.' + s for s in supported)}")
 
 
-def _write(path: str, what: str, writer: Callable[[Path], None]) -> None:
-    """Create parent folders (``--plot out/x.png`` should just work) and say where the file went."""
+def _write(path: str, what: str, writer: Callable[[Path], None], *, quiet: bool = False) -> None:
+    """Create parent folders (``--plot out/x.png`` should just work) and say where the file went (unless
+    ``quiet``)."""
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         writer(target)
     except OSError as exc:
         raise CliError(f"cannot write {what} to {path}: {exc.strerror or exc}") from None
-    print(f"wrote {what}: {target}")
+    if not quiet:
+        print(f"wrote {what}: {target}")
 
 
 def _seconds(seconds: dict[str, float], keys: Sequence[str]) -> str:
     return ", ".join(f"{k} {seconds[k]:.2f} s" for k in keys if k in seconds)
+
+
+def _label(args: argparse.Namespace) -> str:
+    return args.model if args.size == "real" else f"{args.model}-tiny"
+
+
+def _progress(args: argparse.Namespace, label: str) -> Any:
+    """One progress display from the capture to the last strategy: the library opens one per ``prepare`` and
+    none around ``Prepared.plan``, so the strategies (most of a real model's planning) ran silent. Off with
+    ``-q``, and with ``-v``, whose log records already say each stage."""
+    from karma_fx import progress
+
+    enabled = False if args.quiet or args.verbose else None  # None: on a terminal or with KARMA_PROGRESS=1
+    return progress.planning(label, enabled=enabled)
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(verbose: int) -> Any:
+    """``-v``: the ``karma_fx`` logger's INFO records on stderr, ``-vv`` its DEBUG ones; undone on the way out,
+    as ``main`` may run in-process (tests, notebooks)."""
+    if not verbose:
+        yield
+        return
+    logger = logging.getLogger("karma_fx")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s" if verbose == 1
+                                           else f"{PROG}: %(levelname)s %(name)s: %(message)s"))
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
@@ -241,17 +342,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     if args.plot:
         _check_plot_path(args.plot)
-    prepared = _prepare(args)
-    planned = prepared.plan(args.budget, args.strategy, offload_weights=args.offload_weights)
+    with _progress(args, _label(args)):
+        prepared = _prepare(args)
+        budget, shown = _resolve_budget(args.budget, prepared)
+        planned = prepared.plan(budget, args.strategy, offload_weights=args.offload_weights,
+                                time_limit_s=args.time_limit)
     plan = planned.plan
     max_rows = None if args.max_rows is not None and args.max_rows < 0 else args.max_rows
     where = plan.device if args.costs == "measured" else device_name  # measured costs: this machine, not a preset
-    print(f"{args.model} ({args.size}) on {where}, budget {args.budget} = {format_bytes(plan.budget_bytes)}")
+    print(f"{args.model} ({args.size}) on {where}, budget {shown} = {format_bytes(plan.budget_bytes)}")
     print()
     print(plan.table(max_rows=max_rows))
     seconds = planned.seconds
     total = sum(seconds.get(k, 0.0) for k in ("build", "capture", "liveness", "costs", "strategy"))
-    print(f"planning took {total:.2f} s: {_seconds(seconds, ('build', 'capture', 'liveness', 'costs', 'strategy'))}")
+    if not args.quiet:
+        print(f"planning took {total:.2f} s: "
+              f"{_seconds(seconds, ('build', 'capture', 'liveness', 'costs', 'strategy'))}")
     if cluster is not None:
         _print_data_parallel(cluster, planned)
     _write_outputs(args, planned, plan.device)
@@ -278,18 +384,21 @@ def _plan_graph(args: argparse.Namespace) -> int:
     if args.plot:
         _check_plot_path(args.plot)
     t0 = time.perf_counter()
-    prepared = prepare_graph(args.graph, device=args.device, allow_offload=args.allow_offload)
-    read_s = time.perf_counter() - t0
-    planned = prepared.plan(args.budget, args.strategy)
+    with _progress(args, Path(args.graph).name):
+        prepared = prepare_graph(args.graph, device=args.device, allow_offload=args.allow_offload)
+        read_s = time.perf_counter() - t0
+        budget, shown = _resolve_budget(args.budget, prepared)
+        planned = prepared.plan(budget, args.strategy, time_limit_s=args.time_limit)
     plan = planned.plan
     max_rows = None if args.max_rows is not None and args.max_rows < 0 else args.max_rows
     mode = "keep / offload / recompute" if args.allow_offload else "recompute only"
-    print(f"{prepared.problem.name} ({args.graph}: {len(prepared.problem.ops)} nodes, {mode}), budget {args.budget} "
+    print(f"{prepared.problem.name} ({args.graph}: {len(prepared.problem.ops)} nodes, {mode}), budget {shown} "
           f"= {format_bytes(plan.budget_bytes)}")
     print()
     print(plan.table(max_rows=max_rows))
-    print(f"planning took {read_s + planned.seconds['strategy']:.2f} s: read {read_s:.2f} s, "
-          f"strategy {planned.seconds['strategy']:.2f} s")
+    if not args.quiet:
+        print(f"planning took {read_s + planned.seconds['strategy']:.2f} s: read {read_s:.2f} s, "
+              f"strategy {planned.seconds['strategy']:.2f} s")
     _write_outputs(args, planned, mode)
     return 0
 
@@ -298,17 +407,18 @@ def _write_outputs(args: argparse.Namespace, planned: Any, subtitle: str) -> Non
     """The files ``--json``, ``--plot`` and ``--trace`` ask for (``subtitle`` ends the plot's title)."""
     plan = planned.plan
     if args.json:
-        _write(args.json, "plan", plan.save)
+        _write(args.json, "plan", plan.save, quiet=args.quiet)
     if args.plot:
         from karma_fx.report import plot_timeline
 
         title = f"{plan.model} · {plan.strategy} · budget {format_bytes(plan.budget_bytes)} · {subtitle}"
         _write(args.plot, "plot", lambda p: plot_timeline(planned.timeline, p, budget_bytes=plan.budget_bytes,
-                                                          title=title))
+                                                          title=title), quiet=args.quiet)
     if args.trace:
         from karma_fx.report import write_chrome_trace
 
-        _write(args.trace, "trace", lambda p: write_chrome_trace(planned.timeline, p, name=plan.model))
+        _write(args.trace, "trace", lambda p: write_chrome_trace(planned.timeline, p, name=plan.model),
+               quiet=args.quiet)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -359,22 +469,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise CliError(f"unknown strateg{'y' if len(unknown) == 1 else 'ies'} {', '.join(map(repr, unknown))}; "
                        f"choose from {', '.join(STRATEGY_NAMES)}")
     device_name = _check_device(args.device)
-    prepared = _prepare(args)
     rows: list[dict[str, Any]] = []
     per_strategy: dict[str, float] = {}
-    for s in strategies:
-        t0 = time.perf_counter()
-        for b in budgets:
-            budget_bytes = parse_budget(b, prepared.unplanned_peak_bytes)
-            row: dict[str, Any] = {"strategy": s, "budget": b, "budget_bytes": budget_bytes}
-            try:
-                plan = prepared.plan(b, s, raise_if_infeasible=False).plan
-            except KarmaError as exc:
-                row.update(fits=False, slowdown=None, peak_bytes=None, error=str(exc))
-            else:
-                row.update(fits=plan.fits, slowdown=plan.slowdown, peak_bytes=plan.peak_bytes)
-            rows.append(row)
-        per_strategy[s] = time.perf_counter() - t0
+    with _progress(args, _label(args)):
+        prepared = _prepare(args)
+        for s in strategies:
+            t0 = time.perf_counter()
+            for b in budgets:
+                budget_bytes = parse_budget(b, prepared.unplanned_peak_bytes)
+                row: dict[str, Any] = {"strategy": s, "budget": b, "budget_bytes": budget_bytes}
+                try:
+                    plan = prepared.plan(b, s, raise_if_infeasible=False, time_limit_s=args.time_limit).plan
+                except KarmaError as exc:
+                    row.update(fits=False, slowdown=None, peak_bytes=None, error=str(exc))
+                else:
+                    row.update(fits=plan.fits, slowdown=plan.slowdown, peak_bytes=plan.peak_bytes)
+                rows.append(row)
+            per_strategy[s] = time.perf_counter() - t0
     keep = prepared.keep
     print(f"{args.model} ({args.size}) on {device_name}: slowdown over the unlimited-memory step / simulated peak "
           "(* fastest that fits)")
@@ -385,9 +496,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"unlimited step     {keep.makespan_us / 1e3:,.3f} ms")
     print(f"smallest peak      {format_bytes(prepared.min_peak_bytes())} (every saved activation swapped out "
           "and back just in time: the smallest budget known to work)")
-    print(f"capture            {_seconds(prepared.seconds, ('build', 'capture', 'liveness', 'costs'))}")
-    print("planning time      " + ", ".join(f"{s} {t:.2f} s" for s, t in per_strategy.items())
-          + f" (for {len(budgets)} budget{'s' if len(budgets) != 1 else ''})")
+    if not args.quiet:
+        print(f"capture            {_seconds(prepared.seconds, ('build', 'capture', 'liveness', 'costs'))}")
+        print("planning time      " + ", ".join(f"{s} {t:.2f} s" for s, t in per_strategy.items())
+              + f" (for {len(budgets)} budget{'s' if len(budgets) != 1 else ''})")
     return 0
 
 
@@ -431,11 +543,15 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _logging_to_stderr(getattr(args, "verbose", 0)):
             # PyTorch's own deprecation chatter from tracing internals says nothing the user can act on.
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|copyreg)(\.|$)")
             warnings.filterwarnings("ignore", category=FutureWarning, message=r".*LeafSpec.*")
             return int(args.func(args))
+    except _NoModel as exc:
+        args.parser.print_usage(sys.stderr)
+        print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KarmaError as exc:
         print(f"{PROG}: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return EXIT_USAGE

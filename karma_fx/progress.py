@@ -128,10 +128,11 @@ _current: contextvars.ContextVar[_Display | None] = contextvars.ContextVar("karm
 
 
 @contextlib.contextmanager
-def planning(label: str, *, enabled: bool | None = None, show_after_s: float = SHOW_AFTER_S) -> Iterator[None]:
+def planning(label: str, *, enabled: bool | None = None, show_after_s: float | None = None) -> Iterator[None]:
     """Report the stages of planning ``label`` inside this block (see the module docstring). ``enabled``:
     None shows the display when stderr is a terminal or ``KARMA_PROGRESS=1``; ``KARMA_PROGRESS=0`` hides it
-    always. Nested inside another ``planning``, it reuses that display under the new label."""
+    always. ``show_after_s`` None: ``SHOW_AFTER_S``, read now (not when this module was imported). Nested
+    inside another ``planning``, it reuses that display under the new label."""
     outer = _current.get()
     if outer is not None:
         previous, outer.label = outer.label, label
@@ -140,7 +141,7 @@ def planning(label: str, *, enabled: bool | None = None, show_after_s: float = S
         finally:
             outer.label = previous
         return
-    display = _Display(label, _wanted(enabled), show_after_s)
+    display = _Display(label, _wanted(enabled), SHOW_AFTER_S if show_after_s is None else show_after_s)
     token = _current.set(display)
     LOGGER.debug("planning %s", label)
     try:

@@ -419,3 +419,105 @@ def test_plan_graph_user_errors_are_one_line(capsys, tmp_path):
     _assert_user_error(*_run(capsys, "plan", "--graph", str(graph), "--size", "tiny", "--layers", "2")[::2],
                        "--size, --layers do not apply")
     _assert_user_error(*_run(capsys, "plan", "cnn", "--allow-offload")[::2], "--allow-offload applies to --graph")
+
+
+# ---- usability: no model, default budget, progress through the strategies, time limit, -q / -v ------------
+@pytest.mark.parametrize("command", ["plan", "compare"])
+def test_no_model_prints_usage_instead_of_planning_one(capsys, monkeypatch, command):
+    _no_capture(monkeypatch)
+    code, out, err = _run(capsys, command)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith(f"usage: karma-fx {command}") and f"karma-fx {command}: error: name the model" in err
+    assert "resnet50" in err  # the choices are listed
+
+
+@pytest.mark.parametrize("name", names())
+def test_default_budget_is_within_reach_of_every_tiny_zoo_model(name):
+    """``--budget auto`` is never below the smallest budget known to work (which cpsat reaches) and never above
+    the unplanned peak; 0.5 of the peak when that is reachable."""
+    from conftest import prepared
+
+    from karma_fx.cli import AUTO_BUDGET, _resolve_budget
+
+    p = prepared(name)
+    budget, shown = _resolve_budget(AUTO_BUDGET, p)
+    floor, peak = p.min_peak_bytes(), p.unplanned_peak_bytes
+    assert isinstance(budget, int) and floor <= budget <= peak and shown.startswith("auto (")
+    if floor <= peak // 2:
+        assert budget == peak // 2
+    assert _resolve_budget("0.7", p) == ("0.7", "0.7")
+
+
+def test_default_budget_plans_a_tiny_model_that_0_5_could_not(capsys):
+    code, out, err = _run(capsys, "plan", "cnn", "--size", "tiny", "--time-limit", "2", "--max-rows", "0")
+    assert code == 0, err
+    assert "budget auto (halfway from the smallest workable budget" in out and "(fits)" in out
+
+
+def test_progress_goes_on_through_the_strategies(capsys, monkeypatch):
+    """The CLI's progress line covers the strategies too (``karma-fx plan resnet50`` was silent for the 71 s
+    they took: the library opens a display for the capture only)."""
+    from karma_fx import progress
+
+    monkeypatch.setenv("KARMA_PROGRESS", "1")
+    monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # plain lines, one per change
+    code, _, err = _run(capsys, "plan", "cnn", "--size", "tiny", "--budget", "0.95", "--max-rows", "0")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("karma-fx: planning cnn-tiny: ")]
+    assert any(": capture" in line for line in lines)
+    assert any("heuristics, strategy" in line for line in lines), lines
+    assert any("best " in line for line in lines), lines  # the best plan so far, from the strategy stage
+
+
+@pytest.mark.parametrize("bad", ["-1", "0", "nan", "inf", "soon"])
+def test_time_limit_is_validated_before_anything_runs(capsys, monkeypatch, bad):
+    _no_capture(monkeypatch)
+    code, out, err = _run(capsys, "plan", "cnn", "--size", "tiny", "--time-limit", bad)
+    assert code == 2 and out == "" and "argument --time-limit" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["plan", "cnn", "--size", "tiny"],
+                                     ["compare", "cnn", "--size", "tiny", "--budgets", "0.9",
+                                      "--strategies", "keep"]])
+def test_time_limit_reaches_the_planner(capsys, monkeypatch, command):
+    from karma_fx.api import Prepared
+
+    limits = []
+    original = Prepared.plan
+
+    def recording(self, *args, **kwargs):
+        limits.append(kwargs.get("time_limit_s"))
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(Prepared, "plan", recording)
+    code, _, err = _run(capsys, *command, "--time-limit", "1.5", "--quiet")
+    assert code == 0, err
+    assert limits == [1.5]
+
+
+def test_quiet_prints_only_the_result(capsys, monkeypatch, tmp_path):
+    from karma_fx import progress
+
+    monkeypatch.setenv("KARMA_PROGRESS", "1")  # would show progress, were it not for -q
+    monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.0)
+    code, out, err = _run(capsys, "plan", "cnn", "--size", "tiny", "-q", "--time-limit", "2", "--max-rows", "0",
+                          "--json", str(tmp_path / "p.json"))
+    assert code == 0 and err == ""
+    assert out.startswith("cnn (tiny) on ") and "strategy " in out
+    assert "planning took" not in out and "wrote" not in out and (tmp_path / "p.json").exists()
+
+
+def test_verbose_logs_the_stages_and_very_verbose_the_debug_records(capsys):
+    import logging
+
+    code, _, err = _run(capsys, "plan", "cnn", "--size", "tiny", "-v", "--time-limit", "2", "--max-rows", "0")
+    assert code == 0, err
+    assert "karma-fx: planning cnn-tiny: capture" in err and "heuristics, strategy" in err
+    assert "DEBUG" not in err
+    code, _, err = _run(capsys, "plan", "cnn", "--size", "tiny", "-vv", "--time-limit", "2", "--max-rows", "0")
+    assert code == 0, err
+    assert "karma-fx: DEBUG karma_fx" in err and "karma-fx: INFO karma_fx" in err
+    logger = logging.getLogger("karma_fx")  # undone after main: the process's logging is as it was
+    assert logger.level == logging.NOTSET and all(type(h) is logging.NullHandler for h in logger.handlers)
+    code, _, err = _run(capsys, "plan", "cnn", "-q", "-v")
+    assert code == 2 and "not allowed with argument" in err
