@@ -30,3 +30,17 @@ def test_solver_options_keep_good_values():
     assert (opts.workers, opts.seed, opts.max_candidates, opts.memory_unit_bytes) == (1, -7, 0, 1)
     assert opts.effort_s(10) == 2.0 and opts.exact_effort_s(10) == 0.5  # a quarter of the limit
     assert SolverOptions() == SolverOptions(time_limit_s=20.0)
+
+
+def test_an_optimal_plan_above_its_bound_says_what_the_solver_proved():
+    """WRN-28-10 (tiny) low in its budget range: CP-SAT proves its exact model optimal, yet the simulated step
+    is 13% above the proven lower bound; the plan says what OPTIMAL covers instead of implying the optimum."""
+    from conftest import prepared
+
+    p = prepared("wrn28_10")
+    floor, peak = p.min_peak_bytes(), p.unplanned_peak_bytes
+    plan = p.plan(int(floor + 0.15 * (peak - floor)), "cpsat", time_limit_s=20).plan  # done in ~2 s
+    assert plan.status == "OPTIMAL" and plan.step_time_us > plan.lower_bound_us * 1.05
+    assert "within the solver's model only" in plan.shown_status()
+    assert "x the proven lower bound" in plan.table(max_rows=0)
+    assert any(n.startswith("OPTIMAL is the solver's proof for the model it solved") for n in plan.notes)

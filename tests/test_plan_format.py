@@ -145,3 +145,22 @@ def test_zero_figures_still_load():
     data = sample()
     data.update(peak_bytes=0, step_time_us=0.0, lower_bound_us=0)
     assert Plan.from_dict(data).peak_bytes == 0
+
+
+@pytest.mark.parametrize("status, step, bound, shown", [
+    ("OPTIMAL", 220.0, 100.0, "OPTIMAL within the solver's model only; 2.20x the proven lower bound"),
+    ("OPTIMAL", 103.1, 100.0, "OPTIMAL within the solver's model only; 3.1% above the proven lower bound"),
+    ("BLOCKS:OPTIMAL(5/6 blocks)", 150.0, 100.0,
+     "BLOCKS:OPTIMAL(5/6 blocks) within the solver's model only; 1.50x the proven lower bound"),
+    ("OPTIMAL", 100.0, 100.0, "OPTIMAL"),  # at its bound: optimal, full stop
+    ("OPTIMAL", 100.05, 100.0, "OPTIMAL"),  # within the tolerance
+    ("OPTIMAL", 100.0, None, "OPTIMAL within the solver's model; no proven lower bound to compare with"),
+    ("OPTIMAL", None, 100.0, "OPTIMAL"),  # not simulated: nothing to compare
+    ("FEASIBLE", 220.0, 100.0, "FEASIBLE"), ("FALLBACK:greedy", 220.0, 100.0, "FALLBACK:greedy"),
+])
+def test_optimal_says_what_it_is_optimal_for(status, step, bound, shown):
+    plan = Plan(strategy="cpsat", budget_bytes=1000, status=status, step_time_us=step, lower_bound_us=bound,
+                peak_bytes=900)
+    assert plan.shown_status() == shown
+    assert ("strategy", f"cpsat ({shown})") in plan.summary()
+    assert plan.status == status  # the field stays machine-readable

@@ -228,6 +228,8 @@ class CpSat:
         quality = "optimal" if status == "OPTIMAL" else "best found"
         notes.append(f"solver, exact pass: {quality} among the points it considers, predicted "
                      f"{(predicted or objective) / 1e3:.3f} ms, simulated {tl.makespan_us / 1e3:.3f} ms")
+        if status == "OPTIMAL" and not _at_bound(tl.makespan_us, proven):
+            notes.append(_restricted_optimum_note(len(cands), opts.memory_unit_bytes, tl.makespan_us, proven))
         if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
             solved = Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
                           status="OPTIMAL" if _at_bound(tl.makespan_us, proven) else status,
@@ -240,6 +242,18 @@ class CpSat:
 def problem_compute_us(costs: Costs) -> float:
     """The step's compute time alone: the scale of a gap when there is no proven bound."""
     return costs.op_starts_us()[-1]
+
+
+def _restricted_optimum_note(n_candidates: int, unit_bytes: int, simulated_us: float, proven: float | None) -> str:
+    """What the exact pass's OPTIMAL covers when the plan is above the proven bound: the model it solved, not
+    every plan (``Plan.shown_status`` qualifies the status itself)."""
+    from karma_fx.budget import format_bytes
+
+    where = (f"the simulated step is {simulated_us / proven:.2f}x the proven lower bound" if proven
+             else "no lower bound was proven")
+    return (f"OPTIMAL is the solver's proof for the model it solved: the {n_candidates} tensors of at least "
+            f"{format_bytes(unit_bytes)} it decided on (smaller ones stay), at the copy and release points it "
+            f"considers, timed by its own model; {where}, so a faster plan may exist outside that model")
 
 
 def _at_bound(simulated_us: float, proven: float | None) -> bool:
