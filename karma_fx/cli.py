@@ -22,7 +22,9 @@ import argparse
 import contextlib
 import logging
 import math
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -529,11 +531,40 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+@contextlib.contextmanager
+def _interrupts_held() -> Any:
+    """Hold Ctrl-C until the block is over, then raise it. For the import of torch: its C++ side imports NumPy
+    and swallows whatever that raises, a KeyboardInterrupt too (a Ctrl-C then was lost, and the CLI planned on
+    and exited 0). Only where Python's own handler is in place, in the main thread; elsewhere a no-op."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _import_the_heavy_modules() -> None:
+    """torch and what plans with it, imported up front with Ctrl-C held (see ``_interrupts_held``)."""
+    with _interrupts_held():
+        import numpy  # noqa: F401
+        import torch  # noqa: F401
+
+        import karma_fx.api  # noqa: F401
+
+
 def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def _main(argv: list[str] | None) -> int:
+    _import_the_heavy_modules()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
