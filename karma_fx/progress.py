@@ -34,6 +34,9 @@ LOGGER.addHandler(logging.NullHandler())  # a library logs; the application deci
 
 SHOW_AFTER_S = 2.0
 """The display appears once a planning has lasted this long: shorter ones would only flicker."""
+TICK_S = 1.0
+"""Once shown, the display is redrawn this often even without a report, so its elapsed time keeps counting
+through a long solve (a still line looks hung)."""
 ENV = "KARMA_PROGRESS"
 """``1``: show the display even when stderr is not a terminal (a log file, CI); ``0``: never show it."""
 
@@ -74,11 +77,17 @@ class _Display:
         self.shown = ""
         self.closed = False
         self.lock = threading.Lock()
-        self.timer: threading.Timer | None = None
-        if enabled:  # show at the threshold even when no report comes then (a long CP-SAT solve)
-            self.timer = threading.Timer(show_after_s, self.refresh)
-            self.timer.daemon = True
-            self.timer.start()
+        self._stop = threading.Event()
+        if enabled:  # show at the threshold and tick after it, even when no report comes (a long CP-SAT solve)
+            threading.Thread(target=self._tick, name="karma-progress", daemon=True).start()
+
+    def _tick(self) -> None:
+        if self._stop.wait(self.show_after_s):
+            return
+        while True:
+            self.refresh(tick=True)
+            if self._stop.wait(TICK_S):
+                return
 
     def text(self) -> str:
         """``planning gpt2: heuristics, strategy greedy, best 1.065x at 1.2 GiB``."""
@@ -90,13 +99,16 @@ class _Display:
             parts.append(best + (f" at {_format_bytes(self.peak_bytes)}" if self.peak_bytes is not None else ""))
         return ", ".join(parts)
 
-    def refresh(self) -> None:
-        """Show or update the line, once the planning has lasted ``show_after_s``."""
+    def refresh(self, tick: bool = False) -> None:
+        """Show or update the line, once the planning has lasted ``show_after_s``; a ``tick`` redraws an
+        unchanged tqdm line for its elapsed time (plain lines are printed only when they change)."""
         with self.lock:
             if not self.enabled or self.closed or time.monotonic() - self.started < self.show_after_s:
                 return
             text = self.text()
             if text == self.shown:
+                if tick and self.bar is not None:
+                    self.bar.refresh()
                 return
             if self.bar is None and not self.shown:
                 self.bar = _new_bar()
@@ -109,8 +121,7 @@ class _Display:
     def close(self) -> None:
         with self.lock:
             self.closed = True
-            if self.timer is not None:
-                self.timer.cancel()
+            self._stop.set()
             if self.bar is not None:
                 self.bar.close()
 

@@ -549,3 +549,36 @@ def test_ctrl_c_any_time_after_start_prints_one_line_and_exits_130(delay_s):
     assert "Traceback" not in err, err
     assert proc.returncode == 130, err
     assert [line for line in err.splitlines() if line.strip() and "USDT" not in line] == ["karma-fx: interrupted"]
+
+
+def test_progress_line_keeps_ticking_through_a_long_silent_stage(monkeypatch):
+    """A solve that reports nothing for a minute still redraws the tqdm line (its elapsed time counts on),
+    and the ticking thread ends with the planning."""
+    import threading
+    import time
+
+    from karma_fx import progress
+
+    class Bar:
+        def __init__(self) -> None:
+            self.redraws, self.text = 0, ""
+
+        def set_description_str(self, text: str, refresh: bool = True) -> None:
+            self.text = text
+
+        def refresh(self) -> None:
+            self.redraws += 1
+
+        def close(self) -> None:
+            pass
+
+    bars: list[Bar] = []
+    monkeypatch.setattr(progress, "_new_bar", lambda: bars.append(Bar()) or bars[-1])
+    monkeypatch.setattr(progress, "TICK_S", 0.02)
+    with progress.planning("resnet50", enabled=True, show_after_s=0.0):
+        progress.report("solver, exact pass", strategy="cpsat")
+        time.sleep(0.5)  # no report: the solver is busy
+    assert bars and bars[0].text == "planning resnet50: solver, exact pass, strategy cpsat"
+    assert bars[0].redraws >= 2
+    time.sleep(0.1)
+    assert not any(t.name == "karma-progress" for t in threading.enumerate())
