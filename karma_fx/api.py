@@ -12,8 +12,8 @@ from typing import Any
 import torch.nn as nn
 
 from karma_fx.budget import Budget, format_bytes, parse_budget
-from karma_fx.costs import Costs, estimate_costs
-from karma_fx.device import DeviceSpec, get_device
+from karma_fx.costs import Costs
+from karma_fx.device import DeviceSpec
 from karma_fx.errors import InfeasibleBudgetError, KarmaError
 from karma_fx.progress import planning, report
 from karma_fx.passes.capture import CapturedStep, capture
@@ -46,6 +46,8 @@ class Prepared:
     keep: Timeline
     step: CapturedStep | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    pricing: Any = None
+    """How ``problem`` and ``costs`` were priced (``karma_fx.pricing.Pricing``), where the capture was ours."""
     _min_peak: int | None = None
     _torch_saved: dict[float, frozenset[str]] = field(default_factory=dict)
 
@@ -129,41 +131,6 @@ class Prepared:
 
 
 
-COST_MODELS = ("roofline", "measured")
-
-
-def measure_costs(step: CapturedStep, problem: Problem, primals: list, *, allow_offload: bool = True) -> Costs:
-    """``costs="measured"``: run the captured step once for real on the tensors ``primals`` (node by node, the
-    RNG restored) and time each op, and measure the copy ops' speed on that device."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from karma_fx.costs import measured_costs
-    from karma_fx.device import measure_copy_issue_us, measure_copy_speed
-    from karma_fx.passes.measure import time_joint
-    from karma_fx.runtime import cpu_copies_are_synchronous
-
-    device = next((t.device for t in primals if hasattr(t, "device")), None)
-    # The compile path calls this inside the partitioner, under its fake mode: the copy ops must be timed on
-    # real memory (under it they copied nothing, and read as 381 GB/s on a CPU that copies 8 to 18).
-    with _disable_current_modes():
-        issue_us = measure_copy_issue_us(device if device is not None else "cpu")
-        d2h, h2d, latency = measure_copy_speed(device if device is not None else "cpu")
-    on_cpu = device is None or device.type == "cpu"
-    blocking = on_cpu and cpu_copies_are_synchronous()
-    return measured_costs(problem, time_joint(step, primals), d2h_bytes_per_us=d2h, h2d_bytes_per_us=h2d,
-                          copy_latency_us=latency, device=f"measured on {device}", allow_offload=allow_offload,
-                          copies_block_compute=blocking, copy_issue_us=issue_us)
-
-
-def measured_scratch(step: CapturedStep, problem: Problem, primals: list) -> Problem:
-    """``costs="measured"``: ``problem`` with the scratch each kernel allocates on this device (measured by
-    running the step once), so that plans count the bytes the allocator really holds while an op runs."""
-    from karma_fx.passes.measure import scratch_bytes
-    from karma_fx.problem import with_scratch
-
-    return with_scratch(problem, scratch_bytes(step, primals))
-
-
 def _check_call(model: Any, args: Any, kwargs: Any) -> tuple[tuple, dict[str, Any]]:
     """``args`` as a tuple and ``kwargs`` as a dict, or a ``KarmaError`` saying what was passed."""
     from karma_fx.errors import UnsupportedModelError
@@ -176,60 +143,68 @@ def _check_call(model: Any, args: Any, kwargs: Any) -> tuple[tuple, dict[str, An
 
 
 def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *,
-            device: str | DeviceSpec | None = None, name: str | None = None, costs: str = "roofline") -> Prepared:
-    """Capture the training step and build everything a strategy needs. ``costs="measured"`` times the step's
-    ops on the device the model is on (it must hold real weights) instead of the ``device`` preset's roofline."""
+            device: str | DeviceSpec | None = None, name: str | None = None, costs: str | None = None,
+            compiler: str = "eager") -> Prepared:
+    """Capture the training step and build everything a strategy needs, priced as ``karma_fx.compile`` prices
+    it (``karma_fx.pricing``): a model with real weights and no ``device`` preset named is measured on its
+    device (its kernels' scratch, and its ops' times unless ``costs="roofline"``); a model on ``meta``, or one
+    planned for a named preset, is priced on the preset's roofline (default h100), tensors only.
+    ``compiler="inductor"`` prices the step Inductor runs."""
+    from karma_fx.pricing import choose, price
+
     args, kwargs = _check_call(model, args, kwargs)
-    if costs not in COST_MODELS:
-        raise KarmaError(f"costs must be one of {COST_MODELS}, got {costs!r}")
-    spec = get_device(device)
+    params = list(model.parameters())
+    real = not any(t.device.type == "meta" for t in params)
+    # Measured where this is the machine the step will run on: a real model and no preset named to plan for
+    # instead (or costs="measured" asked for anyway); a preset's step is priced on its roofline, tensors only.
+    runs_here = real and (device is None or costs == "measured")
+    if costs == "measured" and not real:
+        raise KarmaError('costs="measured" times the step for real: build the model on a real device, not on meta')
+    pricing = choose(costs, device, runs_here, compiler)
     seconds: dict[str, float] = {}
     label = name or type(model).__name__
     with planning(label):
         t0 = time.perf_counter()
         report("capture")
         # A model on meta is only planned, for the device preset (a CUDA GPU): trace attention as it runs there.
-        on_meta = all(t.device.type == "meta" for t in model.parameters()) and any(True for _ in model.parameters())
-        step = capture(model, args, kwargs, gpu_attention=on_meta and costs == "roofline")
+        step = capture(model, args, kwargs, gpu_attention=not real and bool(params))
         t1 = time.perf_counter()
         report("liveness")
         problem = build_problem(step, name=label)
         t2 = time.perf_counter()
         report("costs")
-        if costs == "measured":
+        primals = None
+        if runs_here:
             from karma_fx.passes.measure import real_primals
 
-            if any(t.device.type == "meta" for t in model.parameters()):
-                raise KarmaError('costs="measured" times the step for real: build the model on a real device, '
-                                 "not on meta")
             primals = real_primals(step, model, args, kwargs)
-            problem = measured_scratch(step, problem, primals)
-            cost_model = measure_costs(step, problem, primals)
-        else:
-            cost_model = estimate_costs(problem, spec)
+        problem, cost_model, pricing = price(step, problem, pricing, primals)
         keep = simulate(problem, (), cost_model)
         t3 = time.perf_counter()
     seconds.update(capture=t1 - t0, liveness=t2 - t1, costs=t3 - t2)
-    return Prepared(problem=problem, costs=cost_model, keep=keep, step=step, seconds=seconds)
+    return Prepared(problem=problem, costs=cost_model, keep=keep, step=step, seconds=seconds, pricing=pricing)
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,
          device: str | DeviceSpec | None = None, strategy: str | Strategy | None = None,
-         offload_weights: bool = False, time_limit_s: float | None = None, costs: str = "roofline") -> Plan:
+         offload_weights: bool = False, time_limit_s: float | None = None, costs: str | None = None,
+         compiler: str | None = None) -> Plan:
     """Plan one training step of ``model(*args, **kwargs)`` under ``budget`` (bytes or a fraction).
 
     The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read. The
     step is the one ``karma_fx.compile`` runs (every output that requires grad is differentiated), so both
     agree on what fits. ``offload_weights`` streams the weights from host memory (see ``Prepared.plan``);
-    ``time_limit_s`` bounds the planning's wall-clock time (the capture excluded); ``costs="measured"`` plans
-    with op times measured on the device the model is on instead of the ``device`` preset's roofline.
+    ``time_limit_s`` bounds the planning's wall-clock time (the capture excluded). Pricing is ``compile``'s
+    (``karma_fx.pricing``): a model with real weights and no ``device`` preset named is measured on its device
+    (``costs="roofline"`` keeps the times on the preset's roofline; scratch is measured either way), a model
+    on meta is priced on the preset. ``compiler="inductor"`` plans the step Inductor runs.
     Raises ``InfeasibleBudgetError`` (naming the smallest workable budget) when the strategy cannot fit.
     """
     from karma_fx.config import KarmaConfig
 
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
-                              time_limit_s=time_limit_s, costs=costs)  # nonsense is refused before the capture
-    prepared = prepare(model, args, kwargs, device=config.device, costs=config.costs)
+                              time_limit_s=time_limit_s, costs=costs, compiler=compiler)  # refused before capture
+    prepared = prepare(model, args, kwargs, device=device, costs=config.costs, compiler=config.compiler)
     with planning(prepared.problem.name):
         return prepared.plan(config.budget, config.strategy, offload_weights=config.offload_weights,
                              time_limit_s=config.time_limit_s).plan

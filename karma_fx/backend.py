@@ -129,9 +129,9 @@ class KarmaBackend:
         from torch._functorch.aot_autograd import aot_module_simplified
 
         from karma_fx.api import Prepared
-        from karma_fx.costs import estimate_costs
         from karma_fx.exchange import insert_gradient_hooks
         from karma_fx.passes.partition import hand_over
+        from karma_fx.pricing import price
         from karma_fx.simulate import simulate
 
         session = self.session
@@ -141,24 +141,12 @@ class KarmaBackend:
             if plan is not None:
                 chosen["variant"] = next(v for v in region.variants if v.plan is plan)
                 return plan
-            if session.config.costs == "measured":  # the region timed for real on the runtime tensors
-                from karma_fx.api import measure_costs, measured_scratch
-
-                primals = [a for a in args if isinstance(a, torch.Tensor)]
-                problem = measured_scratch(step, problem, primals)
-                costs = measure_costs(step, problem, primals)
-            else:
-                costs = estimate_costs(problem, session.config.device)
-            if session.config.compiler == "inductor":  # fused intermediates: never allocated, one kernel
-                from karma_fx.fusion import fusible_ops, inductor_model, inlined_ops
-
-                graph = step.joint.graph
-                problem, costs = inductor_model(problem, costs, fusible_ops(graph), inlined_ops(graph),
-                                                session.config.device,
-                                                measured=session.config.costs == "measured")
+            # The step runs here: priced on this device, on the tensors of this run (``karma_fx.pricing``).
+            primals = [a for a in args if isinstance(a, torch.Tensor)]
+            problem, costs, pricing = price(step, problem, session.config.pricing(runs_here=True), primals)
             keep = simulate(problem, (), costs)
             region.boundary = boundary_of(step, problem)
-            prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step)
+            prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step, pricing=pricing)
             chosen["variant"] = session.decide(region, args, prepared)
             return chosen["variant"].plan
 

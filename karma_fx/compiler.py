@@ -65,6 +65,8 @@ class KarmaModule(nn.Module):
                              "yourself with torch.nn.utils.clip_grad_norm_ after backward, as usual")
         session = Session(config, model=model, pipeline=pipeline)
         object.__setattr__(self, "pipeline", pipeline)
+        if pipeline is not None:  # Dynamo's caches keep the session; the pipeline's state goes with this module
+            pipeline.tie_to(self)
         object.__setattr__(self, "_session", session)
         object.__setattr__(self, "_compiled", torch.compile(model, backend=KarmaBackend(session), dynamic=False))
         object.__setattr__(self, "_parameters_seen", _parameter_signature(parameters_and_buffers(model)[0]))
@@ -247,7 +249,7 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
             strategy: str | Strategy | None = None, optimizer: OptimizerFactory | None = None,
             data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             offload_weights: bool = False, time_limit_s: float | None = None,
-            max_grad_norm: float | None = None, plan_cache: str | None = None, costs: str = "roofline",
+            max_grad_norm: float | None = None, plan_cache: str | None = None, costs: str | None = None,
             compiler: str | None = None) -> KarmaModule:
     """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan.
 

@@ -16,12 +16,15 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from karma_fx.budget import Budget
 from karma_fx.device import DeviceSpec, get_device
 from karma_fx.errors import KarmaError
 from karma_fx.strategies import DEFAULT_STRATEGY, STRATEGY_NAMES, Strategy
+
+if TYPE_CHECKING:
+    from karma_fx.pricing import Pricing
 
 BUDGET_ENV = "KARMA_BUDGET"
 PLAN_CACHE_ENV = "KARMA_PLAN_CACHE"
@@ -42,9 +45,13 @@ class KarmaConfig:
     offload_weights: bool = False
     time_limit_s: float | None = None
     """Wall-clock limit for planning one region (capture excluded); the best plan found by then is used."""
-    costs: str = "roofline"
+    costs: str | None = None
     """``"roofline"``: op times from FLOPs and bytes on ``device`` (plan a device you do not have);
-    ``"measured"``: the step's ops timed once on the device it runs on, with the copy ops' measured speed."""
+    ``"measured"``: the step's ops timed on the device it runs on, with the copy ops' measured speed; ``None``
+    (the default): measured where the step runs on the machine planning it and no ``device`` preset was named,
+    else roofline (``karma_fx.pricing``). Where the step runs here its kernels' scratch is measured either way."""
+    device_named: bool = False
+    """Whether ``device`` was asked for (a preset to plan for) rather than left to its default."""
     compiler: str = DEFAULT_COMPILER
     """What runs the planned forward and backward graphs: ``"eager"`` (op by op, as ``aot_eager``) or
     ``"inductor"`` (compiled by Inductor, the karma ops as extern kernels kept where the plan put them)."""
@@ -72,8 +79,9 @@ class KarmaConfig:
             raise KarmaError(f"time_limit_s must be a positive number of seconds, got {limit!r}")
         if limit is not None:
             object.__setattr__(self, "time_limit_s", float(limit))
-        if self.costs not in COST_MODELS:
-            raise KarmaError(f"costs must be one of {COST_MODELS}, got {self.costs!r}")
+        if self.costs is not None and self.costs not in COST_MODELS:
+            raise KarmaError(f"costs must be one of {COST_MODELS} or None (the default: measured where the step "
+                             f"runs here), got {self.costs!r}")
         if not isinstance(self.compiler, str) or self.compiler not in COMPILERS:
             raise KarmaError(f"compiler must be one of {', '.join(repr(c) for c in COMPILERS)}, got "
                              f"{self.compiler!r}")
@@ -84,12 +92,12 @@ class KarmaConfig:
 
     @classmethod
     def make(cls, *, budget: Any, strategy: Any = None, device: Any = None, offload_weights: Any = False,
-             time_limit_s: Any = None, plan_cache: Any = None, costs: Any = "roofline",
+             time_limit_s: Any = None, plan_cache: Any = None, costs: Any = None,
              compiler: Any = None) -> "KarmaConfig":
         """From keyword arguments as the public functions take them (``None`` means the default)."""
         return cls(budget=Budget.of(budget), strategy=DEFAULT_STRATEGY if strategy is None else strategy,
                    device=get_device(device), offload_weights=offload_weights, time_limit_s=time_limit_s,
-                   plan_cache=plan_cache, costs="roofline" if costs is None else costs,
+                   plan_cache=plan_cache, costs=costs, device_named=device is not None,
                    compiler=DEFAULT_COMPILER if compiler is None else compiler)
 
     @classmethod
@@ -107,6 +115,12 @@ class KarmaConfig:
                                  f"environment variable {BUDGET_ENV}")
             options["budget"] = env
         return cls.make(**options)
+
+    def pricing(self, runs_here: bool) -> "Pricing":
+        """How a step planned with this configuration is priced (``karma_fx.pricing.choose``)."""
+        from karma_fx.pricing import choose
+
+        return choose(self.costs, self.device if self.device_named else None, runs_here, self.compiler)
 
     def describe(self) -> str:
         name = self.strategy if isinstance(self.strategy, str) else getattr(self.strategy, "name", "custom")

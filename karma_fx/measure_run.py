@@ -26,8 +26,9 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -55,13 +56,94 @@ def event_device(event: Any) -> str:
     return str(event.device_type()).rsplit(".", 1)[-1]
 
 
+class ProfilerBusy(RuntimeError):
+    """A torch.profiler session is already running: a second one would break it (PyTorch's profiler does
+    not nest: the outer session loses every event from the inner one's start on, and pausing it around the
+    inner one crashed the process now and then, 2026-12-02, torch 2.13)."""
+
+
+def _memory_deltas(prof: Any, device: str) -> list[tuple[int, int]]:
+    """(time, bytes) of every allocation (+) and free (-) of ``device``'s allocator that ``prof`` recorded."""
+    events = prof.profiler.kineto_results.events()
+    return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and event_device(e) == device)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 pointed at /dev/null for the block: this build of PyTorch's profiler prints two
+    ``USDT: ... profiler_start`` / ``profiler_stop`` lines there each session, from C++, which no setting
+    silences; a compile that measures its step would print them into the user's terminal."""
+    import os
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real fd 2 (an embedding host): nothing to hide
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class _Profile:
+    """torch.profiler recording CPU (and CUDA) activity with the allocator's events, started and stopped
+    without the profiler's own lines on stderr."""
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities, profile_memory=True)
+        self.profiler: Any = None
+
+    def __enter__(self) -> "_Profile":
+        with _quiet_stderr():
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
+        self.profiler = self._prof.profiler
+
+
+def _profile() -> _Profile:
+    return _Profile()
+
+
+def profiler_running() -> bool:
+    """Whether a torch.profiler session (the user's, or an ``AllocatorPeak``) is recording on this process."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+@contextlib.contextmanager
+def allocator_events() -> Iterator[Any]:
+    """A torch.profiler session that records the allocator's events, for code that measures memory itself
+    (the planner measuring a step's kernel scratch while it compiles); ``ProfilerBusy`` where one is already
+    running, rather than break it."""
+    if profiler_running():
+        raise ProfilerBusy("a torch.profiler session is already running")
+    with _profile() as prof:
+        yield prof
+
+
 class AllocatorPeak:
     """Peak allocator bytes during a ``with`` block, from torch.profiler's raw memory events.
 
     ``peak_bytes`` = ``baseline_bytes`` (the storages passed in, counted once) + the highest running sum of
     allocations minus frees during the block; ``end_bytes`` the same at the block's end. Only the events of
     ``device``'s allocator count (``"cpu"`` or ``"cuda"``; by default the device of the tensors passed in):
-    a GPU step also allocates small host tensors, and its pinned host buffers are not device memory."""
+    a GPU step also allocates small host tensors, and its pinned host buffers are not device memory.
+
+    A karma step that compiles inside the block cannot measure its kernels' scratch (profiler sessions do not
+    nest): it plans without, and measures and plans again at its first run outside a profiler. Measure steps
+    after the first."""
 
     def __init__(self, *existing: Iterable[Any], device: str | None = None) -> None:
         groups = [[group] if isinstance(group, torch.Tensor) else list(group) for group in existing]
@@ -75,20 +157,14 @@ class AllocatorPeak:
         self._prof: Any = None
 
     def __enter__(self) -> "AllocatorPeak":
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._prof = profile(activities=activities, profile_memory=True)
+        self._prof = _profile()
         self._prof.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._prof.__exit__(*exc)
-        events = self._prof.profiler.kineto_results.events()
-        deltas = sorted((e.start_ns(), e.nbytes()) for e in events
-                        if e.name() == "[memory]" and event_device(e) == self.device)
         running = peak = 0
-        for _, nbytes in deltas:
+        for _, nbytes in _memory_deltas(self._prof, self.device):
             running += nbytes
             peak = max(peak, running)
         self.peak_bytes = self.baseline_bytes + peak

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -74,6 +75,7 @@ def measure_step(step: CapturedStep, model: nn.Module, args: tuple = (), kwargs:
             dying.setdefault(position[node], []).append(node)
 
     env: dict[fx.Node, Any] = dict(zip(placeholders, primals))
+    env.update(graph_constants(step.joint))
     tangents = [p for p in placeholders[len(primals):]]
     live_bytes: dict[str, int] = {}
     peak = 0
@@ -97,6 +99,24 @@ def measure_step(step: CapturedStep, model: nn.Module, args: tuple = (), kwargs:
     return Measurement(live_bytes=live_bytes, peak_bytes=peak)
 
 
+def _moved(value: Any, device: torch.device) -> Any:
+    """``value`` on ``device`` if it is a tensor elsewhere (a weight already there stays itself)."""
+    return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
+
+
+def graph_constants(gm: fx.GraphModule) -> dict[fx.Node, Any]:
+    """The values of ``gm``'s ``get_attr`` nodes: constants the trace lifted (HF T5 makes scalars and empty
+    tensors in its forward, ``_tensor_constant0``...), which no placeholder carries."""
+    out: dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            out[node] = value
+    return out
+
+
 def _live_storage_bytes(values: Any) -> int:
     """Bytes of the distinct storages behind ``values``, less the host tier (``karma.offload`` outputs and
     their waited aliases): on a CPU the host and the "device" share one allocator, but the plan's budget is
@@ -113,10 +133,16 @@ def _live_storage_bytes(values: Any) -> int:
     return sum(seen.values())
 
 
-def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable[[fx.Node], Any]) -> None:
+def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable[[fx.Node], Any], *,
+               spill: bool = False) -> None:
     """Run ``step.joint`` once for real, node by node in execution order (as the boxed forward and backward
     graphs run it), each node inside the context manager ``around(node)``; tangents are ones. Called from
-    inside AOTAutograd's partitioner too, where a fake-tensor mode is active: it runs on the real tensors."""
+    inside AOTAutograd's partitioner too, where a fake-tensor mode is active: it runs on the real tensors.
+
+    ``spill`` (a step on a GPU): every value lives in host memory between the ops, and each op's inputs are
+    copied to the device just before it runs (outside ``around``), its outputs back just after. The device then
+    holds the weights and one op's inputs, outputs and scratch at a time, not the unplanned step, which is what
+    a budget is set below: measuring a step that does not fit must not need the memory it does not have."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
@@ -131,17 +157,23 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
     done_at: dict[int, list[fx.Node]] = {}
     for node, pos in last_read.items():
         done_at.setdefault(pos, []).append(node)
+    device, host = primals[0].device if primals else torch.device("cpu"), torch.device("cpu")
     with _disable_current_modes(), torch.no_grad():
         env: dict[fx.Node, Any] = dict(zip(placeholders, primals))
+        env.update(graph_constants(step.joint))
         for pos, node in enumerate(order):
             if pos == num_fwd:
                 for ph in placeholders[len(primals):]:
                     val = ph.meta["val"]
-                    env[ph] = torch.ones(val.shape, dtype=val.dtype, device=primals[0].device)
+                    env[ph] = torch.ones(val.shape, dtype=val.dtype, device=host if spill else device)
             a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            if spill:
+                a, kw = pytree.tree_map(lambda v: _moved(v, device), (a, kw))
             with around(node):
-                env[node] = node.target(*a, **kw)
+                out = node.target(*a, **kw)
             del a, kw
+            env[node] = pytree.tree_map(lambda v: _moved(v, host), out) if spill else out
+            del out
             for finished in done_at.get(pos, ()):
                 env.pop(finished, None)
             if node not in last_read:
@@ -152,18 +184,80 @@ _NODE_TAG = "karma_fx.node:"
 """Prefix of the ``record_function`` range around each node, by which profiler events are tied to nodes."""
 
 
-def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
+@dataclass(frozen=True)
+class JointCosts:
+    """What running a step for real on its device says about it, per node of the joint graph."""
+
+    op_time_us: dict[str, float]
+    """Each node's time: on a CPU its wall time, on CUDA the GPU time of the kernels it launched."""
+    scratch_bytes: dict[str, int]
+    """Bytes each node's kernels allocate beyond what the node leaves allocated (only nodes with some)."""
+
+
+def measure_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 1) -> JointCosts:
+    """Run ``step.joint`` for real and return each node's time and scratch: what ``costs="measured"`` (the
+    default where a step runs on the machine planning it) plans with.
+
+    The first run records the device allocator's events (``scratch_bytes``) and warms up (first-touch memory,
+    lazily built kernels, library handles); then ``repeats`` timed runs (``time_joint``), pooled by what each
+    node does (``pooled``). So measuring costs two runs of the step, where timing it alone took four and its
+    scratch one more. The RNG state is restored afterwards (no dropout mask of the training that follows
+    changes); the joint graph is functional, so no parameter or buffer is updated."""
+    scratch = scratch_bytes(step, primals)
+    return pooled(step, time_joint(step, primals, repeats=repeats, warm_up=False), scratch)
+
+
+def pooled(step: CapturedStep, op_time_us: dict[str, float], scratch: dict[str, int]) -> JointCosts:
+    """Per-node measurements pooled over the nodes that do the same thing (one target on inputs of the same
+    shapes, strides and dtypes, the same other arguments: a repeated layer's matmuls): each gets their median
+    time and their largest scratch. A step with identical layers then gives each op as many samples as there
+    are layers from one timed run, and a kernel that allocated more on its first call counts everywhere."""
+    groups: dict[Any, list[str]] = {}
+    for node in execution_order(step):
+        groups.setdefault(_signature(node), []).append(node.name)
+    times: dict[str, float] = {}
+    largest: dict[str, int] = {}
+    for names in groups.values():
+        timed = [op_time_us[n] for n in names if n in op_time_us]
+        if timed:
+            median = statistics.median(timed)
+            times.update((n, median) for n in names)
+        most = max((scratch.get(n, 0) for n in names), default=0)
+        if most > 0:
+            largest.update((n, most) for n in names)
+    return JointCosts(op_time_us=times, scratch_bytes=largest)
+
+
+def _signature(node: fx.Node) -> Any:
+    """What a node computes, less its values: its target, and for each argument either the tensor's shape,
+    strides, dtype and device or the argument itself (scalars, lists of ints, dtypes)."""
+    def describe(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            val = value.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return ("tensor", tuple(val.shape), tuple(val.stride()), val.dtype, val.device.type)
+            return ("node", value.name)  # a non-tensor value (a tuple to unpack): tie it to its node
+        if isinstance(value, (list, tuple)):
+            return tuple(describe(v) for v in value)
+        if isinstance(value, dict):
+            return tuple(sorted((k, describe(v)) for k, v in value.items()))
+        return repr(value)
+    return (str(node.target), describe(node.args), describe(node.kwargs))
+
+
+def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3,
+               warm_up: bool = True) -> dict[str, float]:
     """Run ``step.joint`` for real ``repeats`` times and return each node's time in µs: on a CPU its median
     wall time, on CUDA the GPU time of the kernels it launched (``_cuda_kernel_times``, which says why).
+    ``warm_up``: one untimed run first (skip it when the step has just run, as in ``measure_joint``).
 
     The RNG state is restored afterwards, so timing a step changes no dropout mask of the training that
     follows; the joint graph is functional, so no parameter or buffer is updated."""
     import gc
-    import statistics
     import time
 
     if any(t.is_cuda for t in primals):
-        return _cuda_kernel_times(step, primals, repeats)
+        return _cuda_kernel_times(step, primals, repeats, warm_up)
     samples: dict[str, list[float]] = {}
 
     @contextlib.contextmanager
@@ -172,16 +266,16 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
         yield
         samples.setdefault(node.name, []).append((time.perf_counter() - begin) * 1e6)
 
-    # One untimed run first (first-touch memory, lazily built kernels), and no cyclic garbage collection while
-    # timing: right after a capture the heap is full of graph objects, and a collection inside a node's
-    # interval is charged to that node. Timed runs of a 4-layer d=512 GPT took 829-1230 ms with collection on
-    # and 784-946 ms with it paused, for a step that runs in about 780 ms.
+    # No cyclic garbage collection while timing: right after a capture the heap is full of graph objects, and
+    # a collection inside a node's interval is charged to that node. Timed runs of a 4-layer d=512 GPT took
+    # 829-1230 ms with collection on and 784-946 ms with it paused, for a step that runs in about 780 ms.
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         with torch.random.fork_rng(devices=[]):
-            _run_joint(step, primals, lambda node: contextlib.nullcontext())
+            if warm_up:
+                _run_joint(step, primals, lambda node: contextlib.nullcontext())
             for _ in range(repeats):
                 _run_joint(step, primals, timed)
     finally:
@@ -190,7 +284,8 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def _cuda_kernel_times(step: CapturedStep, primals: list[torch.Tensor], repeats: int) -> dict[str, float]:
+def _cuda_kernel_times(step: CapturedStep, primals: list[torch.Tensor], repeats: int,
+                       warm_up: bool = True) -> dict[str, float]:
     """Each node's GPU time in µs: the summed durations of the kernels and copies it launched (CUPTI, through
     torch.profiler), averaged over ``repeats`` runs. Each GPU activity is tied to the aten op that launched it
     (its ``linked_correlation_id``), and that op to the node whose ``record_function`` range it ran in.
@@ -199,14 +294,17 @@ def _cuda_kernel_times(step: CapturedStep, primals: list[torch.Tensor], repeats:
     far slower than the compiled step dispatches, so the GPU waits for it between nodes and any interval
     around a node measures the interpreter. Kernel durations do not depend on how fast they were launched.
     The cost model thereby assumes the host keeps ahead of the GPU, as it does in a GPU-bound step."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
+
+    from karma_fx.measure_run import allocator_events
 
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
-        _run_joint(step, primals, lambda node: contextlib.nullcontext())  # warm up (handles, autotuning)
+        if warm_up:  # handles, autotuning
+            _run_joint(step, primals, lambda node: contextlib.nullcontext(), spill=True)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with allocator_events() as prof:
             for _ in range(repeats):
-                _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name))
+                _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name), spill=True)
             torch.cuda.synchronize()
     events = prof.profiler.kineto_results.events()
     ranges = sorted((e.start_ns(), e.end_ns(), e.name()[len(_NODE_TAG):]) for e in events
@@ -234,13 +332,14 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
     bracketed by a ``record_function`` per node): storage liveness cannot see an allocation that never becomes
     a tensor the graph holds. The RNG state is restored afterwards, as in ``time_joint``."""
 
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
+
+    from karma_fx.measure_run import allocator_events
 
     cuda = any(t.is_cuda for t in primals)
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities, profile_memory=True) as prof:
-            _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name))
+        with allocator_events() as prof:
+            _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name), spill=cuda)
     events = prof.profiler.kineto_results.events()
     device = "CUDA" if cuda else "CPU"
     memory = sorted((e.start_ns(), e.nbytes()) for e in events

@@ -524,8 +524,6 @@ def test_verbose_logs_the_stages_and_very_verbose_the_debug_records(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="karma_fx/__init__.py imports torch (1 s and more) before karma-fx's main "
-                                       "can catch Ctrl-C; it must load api/compiler/device lazily (PEP 562)")
 @pytest.mark.parametrize("delay_s", [0.3, 0.8])
 def test_ctrl_c_any_time_after_start_prints_one_line_and_exits_130(delay_s):
     """Ctrl-C from the first moments on, while Python still imports torch and the rest, as the console script

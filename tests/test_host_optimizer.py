@@ -152,8 +152,6 @@ def test_a_pipeline_tied_to_its_module_is_freed_with_it_without_a_dynamo_reset()
     assert _left_behind(watch, threads, pipeline_id) == []
 
 
-@pytest.mark.xfail(strict=True, reason="karma_fx/compiler.py must tie the pipeline to the module it builds: "
-                                       "`pipeline.tie_to(self)` in KarmaModule.__init__")
 def test_a_deleted_compiled_module_frees_its_parameters_optimizer_and_thread():
     step, watch, threads, pipeline_id = _compiled_mlp_after_one_step()
     del step

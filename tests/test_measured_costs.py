@@ -14,11 +14,11 @@ from karma_fx.zoo import build, output_to_loss
 def test_measured_costs_time_every_op_and_change_no_training_result():
     model, args, kwargs = build("gpt2", "tiny")
     prepared = karma_fx.prepare(model, args, kwargs, costs="measured")
-    assert prepared.costs.device.startswith("measured on cpu")
+    assert prepared.costs.device.startswith("cpu: measured")
     assert all(t > 0 for t in prepared.costs.op_time_us)
     assert prepared.costs.d2h_bytes_per_us > 0 and prepared.costs.copy_latency_us > 0
-    roofline = karma_fx.prepare(model, args, kwargs)
-    assert prepared.costs.op_time_us != roofline.costs.op_time_us
+    roofline = karma_fx.prepare(model, args, kwargs, device="h100")  # a preset named: its roofline, tensors only
+    assert prepared.costs.op_time_us != roofline.costs.op_time_us and roofline.costs.device == "H100-SXM5-80GB"
     # the compile path times the region on its first run's tensors, the RNG put back: dropout masks as eager
     reference = copy.deepcopy(model)
     step = karma_fx.compile(model, budget=1.0, strategy="keep", costs="measured")
@@ -26,7 +26,23 @@ def test_measured_costs_time_every_op_and_change_no_training_result():
     loss = output_to_loss(step(*args, **kwargs))
     torch.manual_seed(0)
     want = output_to_loss(reference(*args, **kwargs))
-    assert torch.equal(loss, want) and step.plan.device.startswith("measured on cpu")
+    assert torch.equal(loss, want) and step.plan.device.startswith("cpu: measured")
+
+
+def test_a_model_with_real_weights_is_measured_by_default():
+    """Planned where it runs, a step is priced on this device: times and scratch measured. A preset named
+    prices the preset's roofline instead, and ``costs="roofline"`` keeps the times on the roofline while the
+    scratch of the kernels that will run here is still measured."""
+    model, args, kwargs = build("cnn", "tiny")
+    default = karma_fx.prepare(model, args, kwargs)
+    assert default.costs.device == "cpu: measured times and scratch"
+    assert any(s.name.endswith(":scratch") for s in default.problem.storages)  # a CPU convolution's unfold
+    mixed = karma_fx.prepare(model, args, kwargs, costs="roofline")
+    assert mixed.costs.device == "H100-SXM5-80GB roofline times, scratch measured on cpu"
+    assert sorted(s.size_bytes for s in mixed.problem.storages) == sorted(s.size_bytes for s in default.problem.storages)
+    preset = karma_fx.prepare(model, args, kwargs, device="a100")
+    assert preset.costs.device.startswith("A100") and not any(s.name.endswith(":scratch")
+                                                             for s in preset.problem.storages)
 
 
 def test_measured_costs_need_real_weights():
@@ -46,7 +62,7 @@ def test_measured_costs_count_each_kernels_scratch():
     allocator while the op runs, though no graph tensor holds it: measured costs add it to the op."""
     model, args, kwargs = _gpt()
     prepared = karma_fx.prepare(model, args, kwargs, costs="measured")
-    roofline = karma_fx.prepare(model, args, kwargs)
+    roofline = karma_fx.prepare(model, args, kwargs, device="h100")
     scratch = {s.name: s for s in prepared.problem.storages if s.name.endswith(":scratch")}
     assert scratch and not any(s.name.endswith(":scratch") for s in roofline.problem.storages)
     sizes = {s.name: s.size_bytes for s in prepared.problem.storages}

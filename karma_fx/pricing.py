@@ -1,0 +1,162 @@
+"""Pricing: what a captured step costs in memory and time, built in one place for every door.
+
+``karma_fx.plan`` / ``prepare``, ``karma_fx.compile``, ``backend="karma"`` and the CLI all hand a captured step
+here and get back the ``Problem`` the planner counts bytes on and the ``Costs`` it times with, so a plan printed
+is priced as the plan run. Two questions decide how (``Pricing``):
+
+* **Memory.** Where the step runs on the machine planning it (its weights are real tensors on a device), its
+  kernels' scratch is measured there (``karma_fx.passes.measure``: the allocator's own events around each
+  node, the bytes a kernel allocates beyond what it leaves: a CPU convolution's unfolded input, softmax's row
+  buffers, cuDNN / cuBLAS workspace) and counted while the op, or a recompute of it, runs; on CUDA each storage
+  is counted at the caching allocator's granularity. A model planned for a device it is not on (built on
+  ``meta``) has no scratch to measure: its plan counts tensors only, and says so.
+* **Time.** ``"measured"`` times the step's ops on that device and measures its copy ops; ``"roofline"`` prices
+  them from FLOPs and bytes on a ``DeviceSpec`` preset. By default (``costs=None``) time is measured where
+  memory is, unless a preset was named (``device="h100"``: plan that device, not this one).
+
+The compiler then reshapes both: ``compiler="inductor"`` fuses pointwise chains, whose intermediates are never
+allocated and whose ops run as one kernel (``karma_fx.fusion.inductor_model``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from karma_fx.costs import Costs, estimate_costs
+from karma_fx.device import DeviceSpec, get_device
+from karma_fx.errors import KarmaError
+from karma_fx.problem import Problem, with_scratch
+
+log = logging.getLogger("karma_fx.pricing")
+COST_MODELS = ("roofline", "measured")
+CUDA_BLOCK_BYTES = 512
+"""The CUDA caching allocator hands out multiples of 512 bytes (``torch.cuda.max_memory_allocated`` counts
+those), so a 4-byte tensor holds 512 bytes of the device."""
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How one step is priced: ``time`` ``"measured"`` or ``"roofline"`` (on ``device``), ``memory``
+    ``"measured"`` (kernel scratch from the device the step runs on) or ``"tensors"`` (storages only)."""
+
+    time: str
+    memory: str
+    device: DeviceSpec
+    compiler: str = "eager"
+
+    def describe(self, where: str) -> str:
+        """For plans and tables: what the costs are, e.g. ``"cpu: measured times and scratch"``; a preset's
+        name alone where nothing was measured (a plan for a device one does not have)."""
+        if self.time == "measured":
+            return f"{where}: measured times and scratch" if self.memory == "measured" else \
+                f"{where}: measured times, scratch not measured"
+        if self.memory == "measured":
+            return f"{self.device.name} roofline times, scratch measured on {where}"
+        return self.device.name
+
+
+def choose(costs: str | None, device: Any, runs_here: bool, compiler: str = "eager") -> Pricing:
+    """The pricing for a step: ``costs`` as asked (``None``: measured where the step runs here and no preset
+    was named, else roofline); ``device`` a preset name or ``DeviceSpec`` (``None``: none named); ``runs_here``
+    whether the step's tensors are real, on the machine planning it."""
+    if costs is not None and costs not in COST_MODELS:
+        raise KarmaError(f"costs must be one of {COST_MODELS} or None (the default), got {costs!r}")
+    if costs == "measured" and not runs_here:
+        raise KarmaError('costs="measured" times the step for real: build the model on a real device, not on meta')
+    time = costs or ("measured" if runs_here and device is None else "roofline")
+    return Pricing(time=time, memory="measured" if runs_here else "tensors", device=get_device(device),
+                   compiler=compiler)
+
+
+def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Tensor] | None = None
+          ) -> tuple[Problem, Costs, Pricing]:
+    """``problem`` as the device allocates it, its ``Costs``, and the pricing they really had (what could not
+    be measured falls back: see ``_measure``), priced as ``pricing`` asks; ``primals`` are the real tensors
+    behind the step's placeholders (needed where anything is measured)."""
+    measured: Any = None
+    where = "cpu"
+    if pricing.memory == "measured" or pricing.time == "measured":
+        if not primals:
+            raise KarmaError("measuring a step needs its real tensors")
+        device = next(t.device for t in primals if isinstance(t, torch.Tensor))
+        where = str(device)
+        measured, scratch_known, timed = _measure(step, primals, time=pricing.time == "measured")
+        if device.type == "cuda":
+            problem = allocator_sizes(problem, CUDA_BLOCK_BYTES)
+        pricing = replace(pricing, memory="measured" if scratch_known else "tensors",
+                          time="measured" if timed else "roofline")
+    if pricing.memory == "measured":
+        problem = with_scratch(problem, measured.scratch_bytes)
+    if pricing.time == "measured":
+        costs = _measured_costs(problem, measured.op_time_us, primals or [])
+    else:
+        costs = estimate_costs(problem, pricing.device)
+    costs = replace(costs, device=pricing.describe(where))
+    if pricing.compiler == "inductor":
+        from karma_fx.fusion import fusible_ops, inductor_model, inlined_ops
+
+        graph = step.joint.graph
+        problem, costs = inductor_model(problem, costs, fusible_ops(graph), inlined_ops(graph), pricing.device,
+                                        measured=pricing.time == "measured")
+    return problem, costs, pricing
+
+
+def allocator_sizes(problem: Problem, block_bytes: int) -> Problem:
+    """``problem`` with every storage's size rounded up to the allocator's block (a CUDA device's 512 bytes)."""
+    def rounded(n: int) -> int:
+        return -(-n // block_bytes) * block_bytes if n > 0 else 0
+    storages = tuple(replace(s, size_bytes=rounded(s.size_bytes)) for s in problem.storages)
+    return replace(problem, storages=storages, _index={}, _op_index={})
+
+
+def _measure(step: Any, primals: list[torch.Tensor], *, time: bool) -> tuple[Any, bool, bool]:
+    """Run the step for real on ``primals`` (on real memory even inside the partitioner's fake mode): its
+    per-node scratch and, when ``time``, its times; and whether each could be measured. Neither can under
+    a torch.profiler session already running (sessions do not nest: a second one would empty it), nor can
+    a GPU's kernels be timed: the plan then counts tensors only, and a GPU's times fall back to the roofline;
+    the session measures again at the region's first run outside the profiler (``Session.run``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from karma_fx.measure_run import ProfilerBusy
+    from karma_fx.passes.measure import pooled, scratch_bytes, time_joint
+
+    scratch: dict[str, int] = {}
+    times: dict[str, float] = {}
+    with _disable_current_modes():
+        try:
+            scratch = scratch_bytes(step, primals)
+            scratch_known = True
+        except ProfilerBusy:
+            scratch_known = False
+            log.warning("karma_fx: a torch.profiler session is running while a step is planned; its kernels' "
+                        "scratch cannot be measured under it, so this plan counts tensors only until the step "
+                        "first runs outside the profiler, where it is measured and planned again")
+        timed = time
+        if time:
+            try:
+                times = time_joint(step, primals, repeats=1, warm_up=not scratch_known)
+            except ProfilerBusy:  # a GPU's kernels are timed through the profiler
+                timed = False
+    return pooled(step, times, scratch), scratch_known, timed
+
+
+def _measured_costs(problem: Problem, op_time_us: dict[str, float], primals: list[torch.Tensor]) -> Costs:
+    """Measured op times with the copy ops' speed measured on the same device."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from karma_fx.costs import measured_costs
+    from karma_fx.device import measure_copy_issue_us, measure_copy_speed
+    from karma_fx.runtime import cpu_copies_are_synchronous
+
+    device = next((t.device for t in primals if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    # The compile path measures inside the partitioner, under its fake mode: the copy ops must be timed on
+    # real memory (under it they copied nothing, and read as 381 GB/s on a CPU that copies 8 to 18).
+    with _disable_current_modes():
+        issue_us = measure_copy_issue_us(device)
+        d2h, h2d, latency = measure_copy_speed(device)
+    blocking = device.type == "cpu" and cpu_copies_are_synchronous()
+    return measured_costs(problem, op_time_us, d2h_bytes_per_us=d2h, h2d_bytes_per_us=h2d, copy_latency_us=latency,
+                          device=f"measured on {device}", copies_block_compute=blocking, copy_issue_us=issue_us)
