@@ -191,7 +191,7 @@ def peak_table(names: list[str], budgets: list[float], strategies: list[str]) ->
                 continue
             measured = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
             plan = step.plan
-            predicted = (plan.peak_bytes or 0) + step._session.others_bytes(step.regions[-1])
+            predicted = step.predicted_peak_bytes
             budget_bytes = step._session.budget_bytes or 0
             rows.append([name, f"karma {strategy} + inductor, budget {budget}", format_bytes(budget_bytes),
                          format_bytes(predicted), format_bytes(measured),

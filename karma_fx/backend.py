@@ -99,6 +99,22 @@ def boxed_graph(gm: fx.GraphModule) -> Any:
     return run
 
 
+def _break_reason() -> str:
+    """Where in the user's code the region being compiled stops, when a graph break stops it: ``file:line
+    (reason)``, from Dynamo's own record of why it compiled this graph (private API: "" where it is missing)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
+        if not reason.graph_break or not reason.user_stack:
+            return ""
+        frame = reason.user_stack[-1]
+        first = str(reason.reason).strip().splitlines()[0] if str(reason.reason).strip() else ""
+        return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" + (f" ({first[:80]})" if first else "")
+    except Exception:  # noqa: BLE001 - a message's detail, never worth failing a compile for
+        return ""
+
+
 class KarmaBackend:
     """A Dynamo backend bound to one ``Session``: returns, per region, a callable that picks (and compiles on
     first need) the variant each run uses."""
@@ -116,7 +132,7 @@ class KarmaBackend:
                                         "Dynamo to lift them as inputs (torch._dynamo.config."
                                         "inline_inbuilt_nn_modules=True, the default since torch 2.5)")
         region = Region(index=len(session.regions), gm=gm, kinds=kinds, names=names,
-                        offload_weights=session.config.offload_weights)
+                        offload_weights=session.config.offload_weights, ends_at=_break_reason())
         session.regions.append(region)
 
         def run(*args: Any) -> Any:
@@ -145,7 +161,7 @@ class KarmaBackend:
             primals = [a for a in args if isinstance(a, torch.Tensor)]
             problem, costs, pricing = price(step, problem, session.config.pricing(runs_here=True), primals)
             keep = simulate(problem, (), costs)
-            region.boundary = boundary_of(step, problem)
+            region.boundary = boundary_of(step, problem, region.kinds)
             prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step, pricing=pricing)
             chosen["variant"] = session.decide(region, args, prepared)
             return chosen["variant"].plan

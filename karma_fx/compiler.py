@@ -117,17 +117,19 @@ class KarmaModule(nn.Module):
 
     @property
     def min_budget_bytes(self) -> int:
-        """The smallest budget known to work for a step of the region compiled most recently: its leanest
-        plan's peak plus the persistent bytes it does not read (weights of other parts of the model)."""
-        region = self._last_region()
-        return self._session._leanest(region).fp.peak_bytes + self._session.others_bytes(region)
+        """The smallest budget known to work for the step that ran last: every run of every region with its
+        leanest plan, with what the step holds besides (weights, gradients held, the batch, the loss head)."""
+        return self._session.step_figures()[2]
 
     @property
     def unplanned_peak_bytes(self) -> int:
-        """The device peak of a step of the region compiled most recently with nothing moved (the bytes a
-        fractional budget is a fraction of)."""
-        region = self._last_region()
-        return region.prepared.unplanned_peak_bytes + self._session.others_bytes(region)
+        """The device peak of the step that ran last with nothing moved (what a fractional budget is of)."""
+        return self._session.step_figures()[1]
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The device peak of the step that ran last, as planned: its plans, and what the step holds besides."""
+        return self._session.step_figures()[0]
 
     def _last_region(self) -> Region:
         trained = self.regions
@@ -165,7 +167,7 @@ class KarmaModule(nn.Module):
         _check_runnable(params + buffers, args, kwargs)
         self._recompile_if_parameters_changed(params)
         session = self._session
-        session.begin_step((params, buffers))
+        session.begin_step((params, buffers), outside=True)
         # Each compiled module has its own backend, so Dynamo keeps one cache entry per module on the model
         # class's code; past its recompile limit it would run the model eagerly, unplanned, without a word.
         # Raised by hand for the call, not with ``config.patch``: that builds a class on every call, a quarter

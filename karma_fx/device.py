@@ -317,8 +317,16 @@ def measure_copy_speed(device: Any) -> tuple[float, float, float]:
     host = karma.offload(big)
     h2d = median_us(lambda: karma.wait(karma.prefetch(host, dev)), 9)
     nbytes = big.numel() * big.element_size()
-    # Each big copy's time holds the same round trip as the small one: what is left is moving the bytes.
-    return nbytes / max(d2h - round_trip, 1e-3), nbytes / max(h2d - round_trip, 1e-3), max(engine_only, 0.0)
+    # Each big copy's time holds the same round trip as the small one: what is left is moving the bytes; never
+    # faster than host memory moves (a noisy round trip as long as the copy itself once read as 16 PB/s, and
+    # the process's compiles all planned with it).
+    fastest = nbytes / HOST_COPY_BYTES_PER_US
+    return (nbytes / max(d2h - round_trip, fastest), nbytes / max(h2d - round_trip, fastest),
+            max(engine_only, 0.0))
+
+
+HOST_COPY_BYTES_PER_US = 1e5
+"""100 GB/s: no CPU core copies host memory faster (one core moves 5-20 GB/s)."""
 
 
 def measure_copy_issue_us(device: Any) -> float:

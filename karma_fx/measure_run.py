@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -91,6 +91,9 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+_warned = False
+
+
 class _Profile:
     """torch.profiler recording CPU (and CUDA) activity with the allocator's events, started and stopped
     without the profiler's own lines on stderr."""
@@ -103,8 +106,14 @@ class _Profile:
         self.profiler: Any = None
 
     def __enter__(self) -> "_Profile":
+        global _warned
         with _quiet_stderr():
+            early = None if _warned else torch.empty(1)
             self._prof.__enter__()
+            # c10 warns, once a process, when a block allocated before a session is freed during it (as every
+            # session over a running program sees); have it said here, where stderr is quiet.
+            del early
+            _warned = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -133,6 +142,130 @@ def allocator_events() -> Iterator[Any]:
         yield prof
 
 
+BEGIN_BYTES, END_BYTES = 1_234_567, 2_345_679
+"""A ``GapMeter`` marks where the gap after run ``k`` begins and ends with allocations of ``BEGIN_BYTES + 2k``
+and ``END_BYTES + 2k`` bytes (odd sizes no tensor of a step has), found again in the allocator's events."""
+_gap_meters: "weakref.WeakSet[GapMeter]" = weakref.WeakSet()
+
+
+def stop_gap_meters() -> None:
+    """Stop every ``GapMeter`` still running (their gaps are read as far as they got): someone else is about to
+    profile, from code that is not inside a compiled region."""
+    for meter in list(_gap_meters):
+        meter.stop()
+
+
+class GapMeter:
+    """How far the allocator climbs over code that is not ours, between the compiled calls of one step: the
+    eager code at a graph break (after run ``k``'s forward until run ``k + 1``), the loss head (after the last
+    forward until the backward begins). One profiler session spans the step; ``begin(k)`` and ``end(k)`` put
+    markers in it; ``stop`` reads, for each ``k``, the highest running sum of the allocations and frees between
+    the markers above the sum at ``begin(k)``, and hands them to ``done``.
+
+    Where it starts and stops is the point of it (``karma_fx.compile``'s module starts it before the step's
+    first compiled call; ``stop_after_backward`` stops it when the step's backward call returns):
+
+    * the profiler records no free of a block allocated before it started, so it must already run when the
+      outputs the loss head frees are made (the logits would read as held through its backward);
+    * a profiler stopped inside the autograd engine is started again when the engine restores the caller's
+      thread state, and PyTorch then refuses every new session;
+    * one stopped inside a compiled region, while a range that region opened under it is still open, corrupted
+      memory (the process crashed, and gradients came out wrong, 2026-12-02, torch 2.13).
+
+    It starts only where nothing else profiles. ``AllocatorPeak`` stops a running one first; a region that
+    compiles under it cannot measure its scratch and is measured again later (``karma_fx.session``)."""
+
+    def __init__(self, device: str = "cpu", done: "Callable[[dict[int, int]], None] | None" = None) -> None:
+        self.device = device
+        self.done = done
+        self._prof: Any = None
+        self._thread = 0
+        self._watch: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self._prof is not None
+
+    def start(self) -> bool:
+        import threading
+
+        if self._prof is not None or profiler_running():
+            return False
+        self._prof = _profile()
+        self._prof.__enter__()
+        self._thread = threading.get_ident()
+        _gap_meters.add(self)
+        return True
+
+    def _marker(self, nbytes: int) -> None:
+        if self._prof is not None:
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def begin(self, k: int) -> None:
+        self._marker(BEGIN_BYTES + 2 * k)
+
+    def end(self, k: int) -> None:
+        self._marker(END_BYTES + 2 * k)
+
+    def stop_after_backward(self) -> bool:
+        """Stop when the next ``torch.autograd.backward`` or ``grad`` call on this thread returns: past the
+        engine, and before the caller's own code after the step (its optimizer, a profiler of its own) runs
+        under this session. A Python profile function watches for that return; none is installed over one in
+        place (a profiler or debugger of the user's): the meter then runs until ``stop`` is called."""
+        import sys
+
+        if self._prof is None or sys.getprofile() is not None:
+            return False
+        watched = {torch.autograd.backward.__code__, torch.autograd.grad.__code__}
+
+        def watch(frame: Any, event: str, arg: Any) -> None:
+            if event == "return" and frame.f_code in watched:
+                self.stop()
+
+        self._watch = watch
+        sys.setprofile(watch)
+        return True
+
+    def stop(self) -> dict[int, int]:
+        """Per run ``k``: the gap after it, for each gap whose end was marked (none from another thread than
+        the one that started the meter)."""
+        import sys
+        import threading
+
+        if self._prof is None or threading.get_ident() != self._thread:
+            return {}
+        if self._watch is not None:
+            if sys.getprofile() is self._watch:
+                sys.setprofile(None)
+            self._watch = None
+        prof, self._prof = self._prof, None
+        _gap_meters.discard(self)
+        prof.__exit__(None, None, None)
+        gaps: dict[int, int] = {}
+        open_at: dict[int, tuple[int, int]] = {}  # run -> (running sum at its begin marker, highest since)
+        running = 0
+        for _, nbytes in _memory_deltas(prof, self.device.upper()):
+            size = abs(nbytes)
+            if size >= BEGIN_BYTES and (size - BEGIN_BYTES) % 2 == 0 and (size - BEGIN_BYTES) // 2 < 1 << 16:
+                k = (size - BEGIN_BYTES) // 2
+                if nbytes > 0:
+                    open_at[k] = (running, running)
+                continue
+            if size >= END_BYTES and (size - END_BYTES) % 2 == 0 and (size - END_BYTES) // 2 < 1 << 16:
+                k = (size - END_BYTES) // 2
+                if nbytes > 0 and k in open_at:
+                    base, peak = open_at.pop(k)
+                    gaps[k] = peak - base
+                continue
+            running += nbytes
+            for k, (base, peak) in open_at.items():
+                if running > peak:
+                    open_at[k] = (base, running)
+        if self.done is not None and gaps:
+            self.done(gaps)
+        return gaps
+
+
 class AllocatorPeak:
     """Peak allocator bytes during a ``with`` block, from torch.profiler's raw memory events.
 
@@ -157,6 +290,7 @@ class AllocatorPeak:
         self._prof: Any = None
 
     def __enter__(self) -> "AllocatorPeak":
+        stop_gap_meters()  # a karma step measuring the code after its forward: this block measures it all
         self._prof = _profile()
         self._prof.__enter__()
         return self

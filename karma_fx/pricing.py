@@ -19,6 +19,7 @@ allocated and whose ops run as one kernel (``karma_fx.fusion.inductor_model``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 from typing import Any
@@ -89,7 +90,13 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
         pricing = replace(pricing, memory="measured" if scratch_known else "tensors",
                           time="measured" if timed else "roofline")
     if pricing.memory == "measured":
-        problem = with_scratch(problem, measured.scratch_bytes)
+        scratch = measured.scratch_bytes
+        if pricing.compiler == "inductor":  # measured op by op under eager: a loop Inductor generates has none
+            from karma_fx.fusion import fusible_ops
+
+            loops = fusible_ops(step.joint.graph)
+            scratch = {name: b for name, b in scratch.items() if name not in loops}
+        problem = with_scratch(problem, scratch)
     if pricing.time == "measured":
         costs = _measured_costs(problem, measured.op_time_us, primals or [])
     else:
@@ -145,18 +152,28 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool) -> tuple[Any
 
 def _measured_costs(problem: Problem, op_time_us: dict[str, float], primals: list[torch.Tensor]) -> Costs:
     """Measured op times with the copy ops' speed measured on the same device."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     from karma_fx.costs import measured_costs
-    from karma_fx.device import measure_copy_issue_us, measure_copy_speed
     from karma_fx.runtime import cpu_copies_are_synchronous
 
     device = next((t.device for t in primals if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    blocking = device.type == "cpu" and cpu_copies_are_synchronous()
+    issue_us, d2h, h2d, latency = copy_speed(str(device), blocking)
+    return measured_costs(problem, op_time_us, d2h_bytes_per_us=d2h, h2d_bytes_per_us=h2d, copy_latency_us=latency,
+                          device=f"measured on {device}", copies_block_compute=blocking, copy_issue_us=issue_us)
+
+
+@functools.lru_cache(maxsize=None)
+def copy_speed(device: str, blocking: bool) -> tuple[float, float, float, float]:
+    """(issue µs, D2H bytes/µs, H2D bytes/µs, latency µs) of the karma copy ops on ``device``, measured once a
+    process per device and copy mode (``blocking``: a CPU copying on the compute thread): they are the
+    device's, not the step's, and each measurement moves 16 MiB through memory the step could use."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from karma_fx.device import measure_copy_issue_us, measure_copy_speed
+
     # The compile path measures inside the partitioner, under its fake mode: the copy ops must be timed on
     # real memory (under it they copied nothing, and read as 381 GB/s on a CPU that copies 8 to 18).
     with _disable_current_modes():
-        issue_us = measure_copy_issue_us(device)
-        d2h, h2d, latency = measure_copy_speed(device)
-    blocking = device.type == "cpu" and cpu_copies_are_synchronous()
-    return measured_costs(problem, op_time_us, d2h_bytes_per_us=d2h, h2d_bytes_per_us=h2d, copy_latency_us=latency,
-                          device=f"measured on {device}", copies_block_compute=blocking, copy_issue_us=issue_us)
+        issue_us = measure_copy_issue_us(torch.device(device))
+        d2h, h2d, latency = measure_copy_speed(torch.device(device))
+    return issue_us, d2h, h2d, latency

@@ -1,55 +1,83 @@
-"""What one planned run of a compiled region costs the rest of the step, and how runs share the budget.
+"""What the runs of a training step's compiled regions hold, phase by phase, and how they share the budget.
 
 A graph-broken model is several compiled regions, and one region may run many times in a step (a block
-compiled once and called for each of six layers). Each run keeps its saved tensors on the device from the end
-of its forward until its backward, while every later run goes through its own forward and backward; its
-parameter gradients stay from its backward to the end of the step, while every earlier run goes through its
-backward. So a run ``k`` planned alone must fit in what the others leave:
+compiled once and called for each of six layers). Each region's plan is made on its own problem, which counts
+its weights, its inputs and its outputs for the whole run; the step holds more and less than that:
 
-    persistent bytes not its own + held by the runs before it + gradients of the runs after it + its peak
-    <= budget
+* run ``k``'s **forward** happens while the earlier runs keep what their backwards read; tensors that cross a
+  graph break are one tensor, counted once (an input of run ``k`` an earlier run also keeps, an output a later
+  run reads);
+* the code **between** the runs (the eager code at a break, the loss head after the last run) allocates too:
+  measured per gap (``gap_bytes``), guessed until then;
+* run ``k``'s **backward** happens after every later run's backward: what they kept is gone, their parameters'
+  new gradients are not (unless they were added into gradients held from an earlier micro-batch), and of run
+  ``k``'s own inputs and outputs only those its backward reads are still there.
 
-``Footprint`` is what a run's plan means for the others; ``room`` applies the inequality. When the sequence of
-runs is known (from the previous step), ``room`` also caps what run ``k`` may hold so that every later run can
-still fit with its leanest plan, and ``total_that_works`` is the smallest budget under which every run fits
-with its leanest plan, which that cap makes sufficient. All of it is plain arithmetic over integers.
+``Footprint`` is what one plan of a region means in those terms, read off its problem and its simulated
+memory; ``Run`` is one run of the step with the identities of the tensors it shares with other runs;
+``step_peak`` walks the phases of a sequence of runs and returns the device bytes at the highest one. Every
+budget question is asked of it: does this run's plan fit with the runs before it and the leanest plans of the
+runs known to follow (``admits``), what is the unplanned step's peak (what a fraction is of), what is the
+smallest budget under which every run fits with its leanest plan (the total an ``InfeasibleBudgetError``
+names: the same arithmetic as the check, so the total is tight). All of it is plain data and integers.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
 
 from karma_fx.plan import GradToHost, Offload, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
 
-
-@dataclass(frozen=True)
-class Footprint:
-    """Device bytes of one planned run, as the other runs of the step see them."""
-
-    peak_bytes: int
-    """Its simulated peak, with its own parameters and inputs."""
-    own_bytes: int
-    """Its parameters and buffers: on the device all step long, counted once for the whole step."""
-    held_bytes: int
-    """What it keeps on the device from the end of its forward to its backward: the tensors its backward reads
-    that the plan neither offloads nor recomputes (its parameters and buffers aside)."""
-    grad_bytes: int
-    """Its parameters' gradients, alive from its backward to the end of the step. (The gradients of its
-    inputs are the previous run's incoming gradients: that run counts them.)"""
-    out_bytes: int = 0
-    """Its forward outputs; those of the step's last run stay alive through the whole backward."""
+TensorId = Hashable
+"""A tensor that crosses a graph break, named structurally so that the next step's runs name it the same way:
+``("out", j, o)`` is output ``o`` of the step's run ``j``; ``("arg", k, i)`` a tensor first seen as input ``i``
+of run ``k`` that no run made (eager code at a break made it)."""
 
 
 @dataclass(frozen=True)
 class Boundary:
-    """Which storages of a region's problem leave its forward and which are its parameters' gradients."""
+    """Which storages of a region's problem cross its edges, by position: its tensor inputs (one entry per
+    primal, ``None`` for non-tensors) and its forward outputs (after the buffers it updates, as its run
+    returns them), and the storages of its parameters' gradients."""
 
-    outputs: frozenset[str] = frozenset()
+    inputs: tuple[str | None, ...] = ()
+    outputs: tuple[str | None, ...] = ()
     param_grads: frozenset[str] | None = None
     """``None``: not known, every gradient output counts."""
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Device bytes of one plan of a region, in the region's own terms."""
+
+    fwd_peak_bytes: int
+    """Highest bytes over its forward: its weights, inputs and what it makes, as its problem counts them."""
+    bwd_peak_bytes: int
+    """Highest bytes over its backward (recomputes included), as its problem counts them: every input and
+    every output still counted, read or not (``Run`` takes off what the step no longer holds)."""
+    own_bytes: int
+    """Its parameters and buffers (buffers only when weights are streamed): on the device all step long."""
+    internal_held_bytes: int
+    """What its forward makes and keeps for its backward, its outputs aside, as the plan leaves it."""
+    inputs: tuple[tuple[int, bool], ...] = ()
+    """Per tensor input (``Boundary.inputs`` order): bytes as its problem counts them, and whether its backward
+    reads it."""
+    outputs: tuple[tuple[int, bool], ...] = ()
+    """Per forward output (``Boundary.outputs`` order): bytes, and whether its backward reads it."""
+    grad_bytes: int = 0
+    """Its parameters' gradients, alive from its backward to the end of the step."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.fwd_peak_bytes, self.bwd_peak_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """What it keeps from the end of its forward to its backward (its weights aside)."""
+        return (self.internal_held_bytes + sum(b for b, saved in self.inputs if saved)
+                + sum(b for b, saved in self.outputs if saved))
 
 
 def footprint(problem: Problem, timeline: Timeline, plan: Plan, *, offload_weights: bool = False,
@@ -57,69 +85,181 @@ def footprint(problem: Problem, timeline: Timeline, plan: Plan, *, offload_weigh
     """The footprint of ``plan`` on ``problem`` (``timeline`` is its simulation)."""
     own_kinds = ("buffer",) if offload_weights else ("param", "buffer")
     own = sum(s.size_bytes for s in problem.storages if s.kind in own_kinds)
-    out = sum(s.size_bytes for s in problem.storages if s.name in boundary.outputs and s.kind not in own_kinds)
-    # What the backward reads from the forward, as the plan leaves it: tensors with a backward reader and the
-    # inputs of the recompute chains, less what the plan offloads or recomputes.
     n = problem.num_fwd_ops
     moved = {d.tensor for d in plan.decisions if isinstance(d, Offload)}
     moved |= {t for d in plan.decisions if isinstance(d, Recompute) for t in d.tensors}
-    op_index = {op.name: i for i, op in enumerate(problem.ops)}
-    replayed = {s for d in plan.decisions if isinstance(d, Recompute) for name in d.ops
-                for s in problem.ops[op_index[name]].inputs}
-    held = sum(st.size_bytes for st in problem.storages
-               if st.kind not in ("param", "buffer", "tangent", "gradient") and st.name not in moved
-               and (st.producer is None or st.producer < n)
-               and (st.name in replayed or any(u >= n for u in st.users)))
+    replayed: set[str] = set()  # what the recompute chains read from the forward (not what they make)
+    for d in plan.decisions:
+        if isinstance(d, Recompute):
+            ops = [problem.ops[problem.op_index(name)] for name in d.ops]
+            made = {s for op in ops for s in op.outputs}
+            replayed.update(s for op in ops for s in op.inputs if s not in made)
+    edges = {name for name in boundary.inputs + boundary.outputs if name is not None}
+
+    def read_by_backward(name: str) -> bool:
+        st = problem.storage(name)
+        return name not in moved and (name in replayed or any(u >= n for u in st.users))
+
+    internal = sum(st.size_bytes for st in problem.storages
+                   if st.kind not in ("param", "buffer", "tangent", "gradient", "input") and st.name not in edges
+                   and st.producer is not None and st.producer < n and read_by_backward(st.name))
+
+    def edge(name: str | None, counted: bool = True) -> tuple[int, bool]:
+        if name is None or not problem.has_storage(name) or not counted:
+            return (0, False)
+        return (problem.storage(name).size_bytes, read_by_backward(name))
+
+    inputs = tuple(edge(name, problem.has_storage(name) and problem.storage(name).kind not in ("param", "buffer"))
+                   if name is not None else (0, False) for name in boundary.inputs)
+    seen: set[str] = set()
+    outputs = []
+    for name in boundary.outputs:  # one storage returned twice (an alias) is one tensor
+        outputs.append(edge(name, name not in seen and name not in boundary.inputs))
+        if name is not None:
+            seen.add(name)
     to_host = {d.tensor for d in plan.decisions if isinstance(d, GradToHost)}
     grads = sum(s.size_bytes for s in problem.storages
                 if s.kind == "gradient" and s.is_output and s.name not in to_host
                 and (boundary.param_grads is None or s.name in boundary.param_grads))
-    return Footprint(peak_bytes=timeline.peak_bytes, own_bytes=own, held_bytes=held, grad_bytes=grads,
-                     out_bytes=out)
+    memory = [b for _, b in timeline.memory]
+    split = timeline.forward_items if timeline.memory else 0
+    fwd = max(memory[:split], default=0)
+    bwd = max(memory[split:], default=0)
+    return Footprint(fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, own_bytes=own, internal_held_bytes=internal,
+                     inputs=inputs, outputs=tuple(outputs), grad_bytes=grads)
 
 
 @dataclass(frozen=True)
-class Room:
-    """What run ``k`` may use: its peak at most ``peak_bytes``, and at most ``held_bytes`` kept for backward."""
+class Run:
+    """One run of a region as the step sees it."""
 
-    peak_bytes: int
-    held_bytes: float = math.inf
+    fp: Footprint
+    own_bytes: int
+    """The persistent bytes among its inputs (weights, buffers, the batch): counted once for the step."""
+    reads: tuple[tuple[TensorId, int, bool], ...] = ()
+    """The inputs no run owns for the step (made by earlier runs or by eager code between them): identity,
+    bytes, whether its backward reads it."""
+    makes: tuple[tuple[TensorId, int, bool], ...] = ()
+    """Its forward outputs: identity, bytes, whether its backward reads it."""
+    new_grad_bytes: int = 0
+    """Gradients its backward leaves that the step did not hold before (with gradients held from an earlier
+    micro-batch the new ones are added into them and go)."""
+    region: int = -1
+    """Which region this is a run of (for messages)."""
+    caller_keeps: frozenset[int] | None = None
+    """Which of its outputs the caller still held when the step's backward began, where this run ended the
+    step's forward and that was seen (``None``: not known, all of them)."""
 
-    def admits(self, fp: Footprint) -> bool:
-        return fp.peak_bytes <= self.peak_bytes and fp.held_bytes <= self.held_bytes
+    def kept_by_caller(self, position: int) -> bool:
+        return self.caller_keeps is None or position in self.caller_keeps
 
-
-def room(budget_bytes: int, persistent_bytes: int, own_bytes: int, held_before: Sequence[int],
-         later: Sequence[Footprint] | None, unseen_grad_bytes: int = 0) -> Room:
-    """Room for the next run. ``later``: the leanest footprints of the runs known to follow (``None``: not
-    known, then ``unseen_grad_bytes`` stands for their gradients)."""
-    before = sum(held_before)
-    grads_after = _alive_after(later, -1) if later is not None else unseen_grad_bytes
-    peak = budget_bytes - (persistent_bytes - own_bytes) - before - grads_after
-    if not later:
-        return Room(peak_bytes=peak)
-    cap = math.inf
-    between = 0
-    for i, lean in enumerate(later):
-        cap = min(cap, budget_bytes - (persistent_bytes - lean.own_bytes) - before - between
-                  - _alive_after(later, i) - lean.peak_bytes)
-        between += lean.held_bytes
-    return Room(peak_bytes=peak, held_bytes=cap)
-
-
-def _alive_after(runs: Sequence[Footprint], k: int) -> int:
-    """What the runs after ``k`` leave on the device while run ``k`` goes through its backward: their
-    parameters' gradients, and the outputs of the step's last run (the loss, logits the caller holds)."""
-    if k >= len(runs) - 1:
-        return 0
-    return sum(f.grad_bytes for f in runs[k + 1:]) + runs[-1].out_bytes
+    def held(self) -> dict[TensorId, int]:
+        """Crossing tensors it keeps for its backward."""
+        return {i: b for i, b, saved in self.reads + self.makes if saved}
 
 
-def total_that_works(persistent_bytes: int, leanest: Sequence[Footprint]) -> int:
-    """The smallest budget under which every run of the sequence fits with its leanest plan. With it, ``room``
-    always admits the leanest plan of the next run whatever the earlier runs chose within their rooms."""
-    worst = 0
-    for k, lean in enumerate(leanest):
-        before = sum(f.held_bytes for f in leanest[:k])
-        worst = max(worst, persistent_bytes - lean.own_bytes + before + _alive_after(leanest, k) + lean.peak_bytes)
-    return worst
+@dataclass(frozen=True)
+class Phase:
+    """One moment of the step: which run (``-1``: between runs), forward or backward, and its device bytes."""
+
+    run: int
+    stage: str
+    """``"forward"``, ``"after"`` (the code after run ``run``'s forward: a break's eager code, the loss head)
+    or ``"backward"``."""
+    device_bytes: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training step as a sequence of runs."""
+
+    persistent_bytes: int
+    """Weights, buffers, gradients held, the batch: on the device all step."""
+    runs: tuple[Run, ...]
+    gap_bytes: tuple[int, ...] = ()
+    """Per run: what the code after its forward allocates above what it starts with (the last run's: the loss
+    head). Missing entries count 0."""
+    last_outputs_held: bool = True
+    """Whether the caller holds the last run's outputs through the backward (a returned loss or logits)."""
+    phases: list[Phase] = field(default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.phases.extend(_phases(self))
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((p.device_bytes for p in self.phases), default=self.persistent_bytes)
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.device_bytes)
+
+
+def _phases(step: Step) -> list[Phase]:
+    runs, base = step.runs, step.persistent_bytes
+    out: list[Phase] = []
+    read_later: dict[TensorId, int] = {}  # tensor -> the last run that takes it as an input
+    for k, r in enumerate(runs):
+        for i, _, _ in r.reads:
+            read_later[i] = k
+    sizes: dict[TensorId, int] = {}
+    for r in runs:
+        for i, b, _ in r.reads + r.makes:
+            sizes.setdefault(i, b)
+    # forward, in order
+    held: dict[TensorId, int] = {}
+    internal = 0
+    made: set[TensorId] = set()
+    for k, r in enumerate(runs):
+        args = {i for i, _, _ in r.reads}
+        waiting = sum(sizes[i] for i in made if i not in held and i not in args and read_later.get(i, -1) > k)
+        context = base - r.own_bytes + internal + sum(b for i, b in held.items() if i not in args) + waiting
+        out.append(Phase(k, "forward", context + r.fp.fwd_peak_bytes))
+        held.update(r.held())
+        internal += r.fp.internal_held_bytes
+        made.update(i for i, _, _ in r.makes)
+        gap = step.gap_bytes[k] if k < len(step.gap_bytes) else 0
+        after = base + internal + sum(held.values()) + gap
+        after += sum(b for i, b, _ in r.makes if i not in held and (read_later.get(i, -1) > k or k == len(runs) - 1))
+        after += sum(sizes[i] for i in made if i not in held and read_later.get(i, -1) > k
+                     and i not in {m for m, _, _ in r.makes})
+        out.append(Phase(k, "after", after))
+    # backward, in reverse
+    last = len(runs) - 1
+    last_out = sum(b for o, (i, b, saved) in enumerate(runs[last].makes)
+                   if not saved and runs[last].kept_by_caller(o)) if runs and step.last_outputs_held else 0
+    new_grads_after = 0
+    for k in range(last, -1, -1):
+        r = runs[k]
+        before_held: dict[TensorId, int] = {}
+        before_internal = 0
+        for j in range(k):
+            before_held.update(runs[j].held())
+            before_internal += runs[j].fp.internal_held_bytes
+        own_held = set(r.held())
+        context = (base - r.own_bytes + before_internal + new_grads_after
+                   + sum(b for i, b in before_held.items() if i not in own_held)
+                   + (last_out if k < last else 0))
+        # of its own edges the step still holds only what its backward reads (the last run's outputs: the caller)
+        gone = sum(b for _, b, saved in r.reads if not saved)
+        if k < last or not step.last_outputs_held:
+            gone += sum(b for _, b, saved in r.makes if not saved)
+        else:  # the last run's outputs the caller let go before the backward
+            gone += sum(b for o, (_, b, saved) in enumerate(r.makes) if not saved and not r.kept_by_caller(o))
+        out.append(Phase(k, "backward", context + r.fp.bwd_peak_bytes - gone))
+        new_grads_after += r.new_grad_bytes
+    return out
+
+
+def step_peak(persistent_bytes: int, runs: Sequence[Run], gap_bytes: Sequence[int] = ()) -> int:
+    """The device peak of a step that runs ``runs`` (see ``Step``)."""
+    return Step(persistent_bytes, tuple(runs), tuple(gap_bytes)).peak_bytes
+
+
+def pinned_by_breaks(runs: Sequence[Run]) -> list[int]:
+    """Per run: the bytes of tensors crossing into it from earlier runs (its inputs no run owns) that some
+    backward reads: no plan can move them, since each region's plan sees them as inputs or outputs."""
+    held_anywhere: set[TensorId] = set()
+    for r in runs:
+        held_anywhere.update(r.held())
+    return [sum(b for i, b, _ in r.reads if i in held_anywhere) for r in runs]

@@ -1,12 +1,21 @@
 """The runs of a training step's compiled regions, and the plan each run gets.
 
 A ``Session`` is the state one ``torch.compile`` call (or one ``karma_fx.compile`` module) shares across its
-regions: the configuration, the budget in bytes (a fraction is resolved once, at the first plan), the regions
-with the plans (``Variant``) their runs needed, and the runs of the current and the previous step. As a run
-starts, ``Session.run`` picks the plan it runs with: the previous step's when the step repeats a sequence that
-fitted, else one that fits the room ``karma_fx.regions`` gives it (planned on first need, or read from the plan
-cache), else the leanest plan; a budget that cannot work raises ``InfeasibleBudgetError`` naming one that does.
-Dynamo and AOTAutograd stay in ``karma_fx.backend``; this module only accounts and decides.
+regions: the configuration, the budget in bytes, the regions with the plans (``Variant``) their runs needed,
+and the runs of the current and the previous step. As a run starts, ``Session.run`` picks its plan: the
+previous step's when the step repeats a sequence that fitted, else the fastest plan of the region under which
+the whole step still fits (``karma_fx.regions.Step``: the runs so far as they ran, this one, and the leanest
+plans of the runs known to follow), planned on first need (or read from the plan cache), else the leanest
+plan; a budget that cannot work raises ``InfeasibleBudgetError`` naming the total that does (the step with
+every run at its leanest plan: the same arithmetic, so the total is tight) and the graph breaks that pin
+tensors.
+
+The step the budget is for is the step as training runs it: the weights and buffers, the gradients held from
+an earlier micro-batch (accumulation), the batch, and what the code between the compiled regions allocates
+(the loss head after the last forward, measured once per sequence of runs: ``karma_fx.measure_run.GapMeter``).
+A fraction is a fraction of that step unplanned, and it grows with it: the budget in bytes is the fraction of
+the largest unplanned step seen (a larger batch, gradients now held), never less, so ``budget=1.0`` always
+fits what runs. Dynamo and AOTAutograd stay in ``karma_fx.backend``; this module only accounts and decides.
 """
 from __future__ import annotations
 
@@ -23,10 +32,16 @@ from karma_fx.budget import Budget, format_bytes
 from karma_fx.config import KarmaConfig
 from karma_fx.errors import InfeasibleBudgetError, KarmaError
 from karma_fx.plan import Plan
-from karma_fx.regions import Boundary, Footprint, footprint, room, total_that_works
+from karma_fx.regions import Boundary, Footprint, Run, Step, footprint, pinned_by_breaks
 from karma_fx.strategies import DEFAULT_STRATEGY
 
 log = logging.getLogger("karma_fx.session")
+LOSS_HEAD_GUESS = 2
+"""Until the code after the last forward has been measured, it is taken to climb by this many times the
+bytes of the outputs the caller gets (a cross-entropy over logits: their log-softmax and its gradient, the
+logits freed meanwhile: measured 2.0x on a CPU)."""
+RETRIES = 3
+"""Plans made at a lower target when the first one fits its run but leaves too little for the runs after."""
 
 
 def parameters_and_buffers(model: nn.Module) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
@@ -74,17 +89,26 @@ class Region:
     prepared: Any = field(default=None, repr=False)
     variants: list[Variant] = field(default_factory=list)
     leanest: Variant | None = None
+    keep: Variant | None = None
     inference_fn: Any = None
     last: Variant | None = None
     offload_weights: bool = False
     boundary: Boundary = field(default_factory=Boundary)
+    ends_at: str = ""
+    """Where the region stops in the user's code when a graph break ends it (``file:line``, Dynamo's reason)."""
+    budget_bytes: int = 0
+    """The session's budget in bytes when this region last ran (a fraction grows with the step)."""
+    planned_at: list[int] = field(default_factory=list)
+    """The targets this region was planned at (a region is not planned twice at about the same target)."""
 
     @property
     def plan(self) -> Plan:
-        """The plan of the most recent run."""
+        """The plan of the most recent run, with the budget in bytes it ran under."""
         if self.last is None:
             raise KarmaError("this region has not run in training mode yet: nothing was planned")
-        return self.last.plan
+        plan = self.last.plan
+        return plan.replace(budget_bytes=self.budget_bytes) if self.budget_bytes and \
+            plan.budget_bytes != self.budget_bytes else plan
 
     @property
     def graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -99,7 +123,7 @@ class Region:
 
     @property
     def min_budget_bytes(self) -> int:
-        """The smallest budget known to work for this region alone (its leanest plan's peak)."""
+        """The leanest plan's peak of this region alone, as its problem counts it."""
         if self.leanest is not None:
             return self.leanest.fp.peak_bytes
         from karma_fx.strategies.leanest import leanest_peak
@@ -107,165 +131,114 @@ class Region:
         p = self.prepared
         return leanest_peak(p.problem, p.costs, stream_weights=self.offload_weights)
 
+    @property
+    def scratch_unmeasured(self) -> bool:
+        """Planned under someone's profiler, without the scratch of its kernels (see ``karma_fx.pricing``)."""
+        pricing = getattr(self.prepared, "pricing", None)
+        return pricing is not None and pricing.memory != "measured"
+
 
 @dataclass
-class _Run:
+class _Call:
+    """One run of this step: its region, the variant it ran, and how the step sees it."""
+
     region: Region
     variant: Variant
-    own_bytes: int = 0
-    """Of the step's persistent bytes, those this run's own problem counts (its weights, the batch it reads)."""
-
-    def fp(self, variant: "Variant | None" = None) -> Footprint:
-        """The footprint of ``variant`` (default: the one this run used) as this run sees the step."""
-        return replace((variant or self.variant).fp, own_bytes=self.own_bytes)
+    view: Run
 
 
 class Session:
-    """The state one ``torch.compile`` call (or one ``karma_fx.compile`` module) shares across its regions:
-    the configuration, the budget in bytes (a fraction is resolved once, at the first plan), the regions and
-    the runs of the current and the previous step."""
+    """The state one ``torch.compile`` call (or one ``karma_fx.compile`` module) shares across its regions."""
 
     def __init__(self, config: KarmaConfig, model: nn.Module | None = None, pipeline: Any = None) -> None:
         self.config = config
         self.budget_bytes: int | None = config.budget.size_bytes
         self.regions: list[Region] = []
         self.pipeline = pipeline
-        self._model = weakref.ref(model) if model is not None else None
-        self._runs: list[_Run] = []
-        self._previous: list[_Run] | None = None
-        self._seen: dict[int, int] = {}
-        self._inputs: dict[int, int] = {}
-        self._weight_storage: dict[int, tuple[int, int]] = {}
-        """id of each weight and buffer the front door walked this step -> (storage pointer, bytes)."""
-        self._previous_inputs = 0
-        self._produced: set[int] = set()
-        self._saw_backward = False
-        self._step_persistent = 0
-        self._previous_persistent = 0
-        self._learning = False
-        self._own_of_last_choice = 0
-        self._previous_fit = False
         self.warned_eager = False
-        self._persistent_counted = False
-        """Whether ``_step_persistent`` was counted for this step (walking every parameter, buffer and gradient
-        of a large model costs a millisecond: once a step, not once a call)."""
+        self._model = weakref.ref(model) if model is not None else None
+        self._calls: list[_Call] = []
+        self._previous: list[_Call] | None = None
+        self._previous_fit = False
+        self._made: dict[int, tuple[Any, int]] = {}
+        """Storage pointer -> (identity, bytes) of what this step's runs returned."""
+        self._weights: dict[int, int] = {}
+        """Storage pointer -> bytes of the weights, buffers and gradients held, this step and before."""
+        self._params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._batch: dict[int, int] = {}
+        self._previous_batch = 0
+        self._grads_counted: set[int] = set()
+        self._saw_backward = False
+        self._started = False
+        self._gaps: dict[tuple[int, ...], int] = {}
+        """Per sequence of runs so far: what the code after its last run allocated (measured: ``GapMeter``)."""
+        self._gap_meter: Any = None
+        self._kept: dict[tuple[int, ...], frozenset[int]] = {}
+        """Per sequence of runs: which outputs of its last run the caller still held when the backward began."""
+        self._outputs: list[tuple[int, Any]] = []
+        self._unplanned_bytes = 0
+        self._firm_unplanned = 0
+        self._guessed_unplanned = 0
+        self._remeasured = False
+        self._pending_view: Run | None = None
 
     # ---- steps ------------------------------------------------------------------------------------------
-    def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None) -> None:
-        """A new training step starts (the front door calls this, passing the model's parameters and buffers
-        it has already walked; the raw backend infers it)."""
-        self._step_persistent = self._model_persistent_bytes(tensors)
-        if self._runs:
-            self._previous = self._runs
-            self._previous_persistent = sum(self._seen.values())  # weights and buffers: the same next step
-            self._previous_inputs = sum(self._inputs.values())
-            self._previous_fit = False
-            if self._learning:
-                self._learning = False
-                self._check_sequence(self._previous)
-            else:
-                assert self.budget_bytes is not None
-                persistent = max(self._step_persistent, self._previous_persistent) + self._previous_inputs
-                self._previous_fit = total_that_works(persistent, [r.fp() for r in self._previous]
-                                                      ) <= self.budget_bytes
-        self._runs, self._seen, self._inputs, self._saw_backward = [], {}, {}, False
-        self._produced: set[int] = set()
-        self._persistent_counted = True
-
-    def _model_persistent_bytes(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None
-                                ) -> int:
-        self._weight_storage = {}
+    def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None,
+                   outside: bool = False) -> None:
+        """A new training step starts: the front door calls this with the model's parameters and buffers it
+        has already walked, ``outside`` any compiled region (where the code between the runs can be measured:
+        ``GapMeter``); the raw backend when a run follows a backward."""
+        self._finish_gap()
+        measure = outside and bool(self._calls) and self._gaps_unknown(self._calls)
+        if self._calls:
+            self._previous = self._calls
+            if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
+                self._previous_batch = sum(self._batch.values())
+        self._calls, self._made, self._batch = [], {}, {}
+        self._grads_counted = set()
+        self._saw_backward = False
+        self._started = True
+        self._weights = {}
         if tensors is None:
             model = self._model() if self._model is not None else None
-            if model is None:
-                return 0
-            tensors = parameters_and_buffers(model)
-        seen: dict[int, int] = {}
-        # Each weight's storage is also what every region run of the step counts (``_persistent``): kept by
-        # the tensor's id, valid for the step (the model holds its weights), so those runs need not ask again.
-        known = self._weight_storage
-        offloaded = self.config.offload_weights
+            tensors = parameters_and_buffers(model) if model is not None else ([], [])
         for group in tensors:
             for t in group:
-                if offloaded and isinstance(t, nn.Parameter):
-                    continue
-                s = t.untyped_storage()
-                pointer, nbytes = s.data_ptr(), s.nbytes()
-                seen[pointer] = nbytes
-                known[id(t)] = (pointer, nbytes)
-                grad = t.grad
-                if grad is not None:
-                    s = grad.untyped_storage()
-                    seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
+                self._add_weight(t)
+        for p in list(self._params.values()):  # what earlier steps' runs read: their gradients may be held now
+            self._add_weight(p)
+        self._previous_fit = not self._remeasured and self._previous is not None and \
+            self.budget_bytes is not None and \
+            self._sequence_peak([c.view for c in self._previous], self._previous) <= self.budget_bytes
+        self._remeasured = False
+        if measure:
+            self._start_gap()
 
-    def _persistent(self, args: list[Any], region: Region) -> tuple[int, int]:
-        """Bytes on the device all step long (weights and buffers, and the inputs no earlier run produced: the
-        batch the caller holds), and how many of them this run's own problem already counts."""
-        storages = []  # (pointer, bytes) of every argument this accounting covers; one pass, run every call
-        known = self._weight_storage
-        for t, kind in zip(args, region.kinds):
-            if not isinstance(t, torch.Tensor) or (kind == "param" and self.config.offload_weights):
-                continue
-            hit = known.get(id(t)) if kind in ("param", "buffer") else None
-            if hit is None:
-                s = t.untyped_storage()
-                hit = (s.data_ptr(), s.nbytes())
-            pointer, nbytes = hit
-            storages.append((pointer, nbytes))
-            if kind in ("param", "buffer"):
-                self._seen[pointer] = nbytes
-            elif pointer not in self._produced:  # the batch: this step's, not the last step's size
-                self._inputs[pointer] = nbytes
-        own = sum(nbytes for pointer, nbytes in storages if pointer in self._seen or pointer in self._inputs)
-        return self._weights_bytes() + sum(self._inputs.values()), own
-
-    def _weights_bytes(self) -> int:
-        return max(self._step_persistent, sum(self._seen.values()), self._previous_persistent)
-
-    def _later(self, region: Region) -> list[Footprint] | None:
-        """Leanest footprints of the runs that followed this one in the previous step, if this step has run
-        the same regions so far."""
-        prev, k = self._previous, len(self._runs)
-        if prev is None or len(prev) <= k or prev[k].region is not region:
-            return None
-        if any(a.region is not b.region for a, b in zip(self._runs, prev)):
-            return None
-        later = []
-        for r in prev[k + 1:]:
-            lean = self._leanest(r.region)
-            later.append(r.fp(lean))
-        return later
-
-    def _check_sequence(self, runs: list[_Run]) -> None:
-        """After a step planned run by run without knowing the runs to come: did it fit, and can it?"""
-        persistent = max(self._step_persistent, self._previous_persistent) + self._previous_inputs
-        assert self.budget_bytes is not None
-        ran = total_that_works(persistent, [r.fp() for r in runs])
-        self._previous_fit = ran <= self.budget_bytes
-        if self._previous_fit:
+    def _add_weight(self, t: torch.Tensor) -> None:
+        if self.config.offload_weights and isinstance(t, nn.Parameter):
             return
-        log.warning("karma_fx: the first step ran %d compiled region runs; planned one by one without knowing "
-                    "the ones to come, together they may have reached %s against a budget of %s. From this "
-                    "step on each run leaves room for the runs known to follow.", len(runs),
-                    format_bytes(ran), format_bytes(self.budget_bytes))
-        needed = total_that_works(persistent, [r.fp(self._leanest(r.region)) for r in runs])
-        if needed > self.budget_bytes:
-            raise InfeasibleBudgetError(
-                f"the step runs {len(runs)} compiled region(s) (graph breaks; a region runs once per layer it "
-                f"stands for), and together they need more than the budget of {format_bytes(self.budget_bytes)}: "
-                f"each run keeps its saved tensors on the device until its backward. A total budget of "
-                f"{format_bytes(needed)} ({needed} bytes) works (every run with its leanest plan); raise the "
-                f"budget or remove the graph breaks", min_budget_bytes=needed, budget_bytes=self.budget_bytes)
+        s = t.untyped_storage()
+        self._weights[s.data_ptr()] = s.nbytes()
+        if isinstance(t, nn.Parameter):
+            self._params[id(t)] = t
+            if t.grad is not None:
+                g = t.grad.untyped_storage()
+                self._weights[g.data_ptr()] = g.nbytes()
+
+    def _persistent_bytes(self) -> int:
+        """Weights, buffers, gradients held and the batch (at least the previous step's: later runs may read
+        more of it, and a replayed step does not count it again)."""
+        return sum(self._weights.values()) + max(sum(self._batch.values()), self._previous_batch)
 
     # ---- runs -------------------------------------------------------------------------------------------
     def run(self, region: Region, args: list[Any], compile_variant: Callable[[Region, Plan | None, list], Variant]
             ) -> Any:
-        if self._saw_backward:
+        if self._saw_backward or not self._started:
             self.begin_step()
-        if not self._persistent_counted:  # the raw backend's first step: no front door called begin_step
-            self._step_persistent = self._model_persistent_bytes()
-            self._persistent_counted = True
+        if self._gap_meter is not None and self._calls:
+            self._gap_meter.end(len(self._calls) - 1)  # the code after the previous run ends here
+        if region.prepared is not None and region.scratch_unmeasured and not _profiling():
+            self._forget(region)  # planned under a profiler: measure its scratch and plan it again now
         if region.prepared is None:
             variant = compile_variant(region, None, args)  # plans inside the partitioner (``decide``)
             if region.prepared is None:  # an inference graph: nothing saved, nothing planned
@@ -275,40 +248,325 @@ class Session:
             return region.inference_fn(*args)
         else:
             variant = self._choose(region, args)
-            if variant.fn is None:
-                compiled = compile_variant(region, variant.plan, args)
-                variant.fn, variant.graphs, variant.grad_params = compiled.fn, compiled.graphs, compiled.grad_params
+        if variant.fn is None:
+            compiled = compile_variant(region, variant.plan, args)
+            variant.fn, variant.graphs, variant.grad_params = compiled.fn, compiled.graphs, compiled.grad_params
         region.last = variant
-        self._runs.append(_Run(region, variant, self._own_of_last_choice))
+        region.budget_bytes = self.budget_bytes or 0
+        view = self._pending_view
+        assert view is not None
+        self._calls.append(_Call(region, variant, replace(view, fp=variant.fp)))
         if self.pipeline is not None and variant.grad_params:
             self.pipeline.expect([args[i] for i in variant.grad_params])
+        k = len(self._calls) - 1
+        learning = self._signature() not in self._kept  # which outputs will the caller keep?
         out = variant.fn(*args)
-        for t in out if isinstance(out, (list, tuple)) else (out,):
+        if self._gap_meter is not None:
+            self._gap_meter.begin(k)
+        self._outputs = []
+        for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):
-                self._produced.add(t.untyped_storage().data_ptr())
+                s = t.untyped_storage()
+                self._made.setdefault(s.data_ptr(), (("out", k, o), s.nbytes()))
+                if learning:
+                    from torch.multiprocessing.reductions import StorageWeakRef
+
+                    self._outputs.append((o, StorageWeakRef(s)))
         return out
 
     def ran_training_region(self) -> bool:
-        return bool(self._runs)
+        return bool(self._calls)
 
     def saw_backward(self) -> None:
+        """A backward of this step's runs begins: the code after the last forward (the loss head) ends here.
+        Its measurement ends with a mark, read when the next step begins (``GapMeter``)."""
+        if not self._saw_backward:
+            if self._gap_meter is not None and self._calls:
+                self._gap_meter.end(len(self._calls) - 1)
+            if self._calls and self._outputs:  # learning: which outputs did the caller keep?
+                self._kept[self._signature()] = frozenset(o for o, ref in self._outputs if not ref.expired())
         self._saw_backward = True
 
     def decide(self, region: Region, args: list[Any], prepared: Any) -> Variant:
         """The first run of a region: keep what the partitioner found and choose its plan."""
         region.prepared = prepared
-        if self.budget_bytes is None:
-            persistent, own = self._persistent(args, region)
-            whole = persistent - own + prepared.unplanned_peak_bytes
-            self.budget_bytes = self.config.budget.resolve(whole)
         return self._choose(region, args)
 
-    def others_bytes(self, region: Region) -> int:
-        """Persistent bytes of the step that are not the region's own (weights it does not read, ...)."""
-        p = region.prepared
-        own = sum(st.size_bytes for st in p.problem.storages if st.producer is None and st.kind != "tangent"
-                  and not (st.kind == "param" and self.config.offload_weights))
-        return max(0, self._weights_bytes() + sum(self._inputs.values()) - own)
+    def _forget(self, region: Region) -> None:
+        region.prepared, region.variants, region.leanest, region.keep = None, [], None, None
+        region.planned_at = []
+
+    # ---- the code between runs --------------------------------------------------------------------------
+    def _signature(self, calls: list[_Call] | None = None) -> tuple[int, ...]:
+        return tuple(c.region.index for c in (self._calls if calls is None else calls))
+
+    def _gaps_unknown(self, calls: list[_Call]) -> bool:
+        """Whether the code after some run of ``calls`` is still to be measured."""
+        signature = self._signature(calls)
+        return any(signature[:k + 1] not in self._gaps for k in range(len(signature)))
+
+    def _start_gap(self) -> None:
+        """Measure the code between this step's compiled calls (``GapMeter``), keyed by the sequence of runs
+        up to each (the step's own, read when the meter stops)."""
+        from karma_fx.measure_run import GapMeter
+        from karma_fx.runtime import cpu_copies_are_synchronous
+
+        # Only where no thread of ours runs beside the step: a profiler session that worker threads (the
+        # gradient pipeline, threaded copies) allocate under crashed the process when it stopped; and not on a
+        # GPU, whose backward runs on the autograd engine's own thread. There the code between the runs stays a
+        # guess (``_loss_head_guess``).
+        if (self.pipeline is not None or not cpu_copies_are_synchronous()
+                or any(t.is_cuda for t in self._params.values())):
+            return
+        device = "cpu"
+
+        def learn(gaps: dict[int, int]) -> None:
+            ran = self._signature(self._calls)
+            for k, nbytes in gaps.items():
+                if k < len(ran):
+                    key = ran[:k + 1]
+                    self._gaps[key] = max(self._gaps.get(key, 0), nbytes)
+                    self._remeasured = True  # the next step chooses its plans again, with this in place of a guess
+
+        meter = GapMeter(device, done=learn)
+        if meter.start():
+            if meter.stop_after_backward():
+                self._gap_meter = meter
+            else:  # someone's profile function is in place: leave their session of the step alone
+                meter.stop()
+
+    def _finish_gap(self) -> None:
+        """Stop measuring the code between the runs (the meter hands what it measured to ``learn``)."""
+        meter, self._gap_meter = self._gap_meter, None
+        if meter is not None:
+            meter.stop()
+
+    def _gap_list(self, views: list[Run], signature: tuple[int, ...]) -> list[int]:
+        out = []
+        for k, view in enumerate(views):
+            g = self._gaps.get(signature[:k + 1])
+            if g is None:  # not measured yet: the loss head guessed from the outputs the caller gets
+                g = _loss_head_guess(view) if k == len(views) - 1 else 0
+            out.append(g)
+        return out
+
+    # ---- accounting -------------------------------------------------------------------------------------
+    def _view(self, region: Region, fp: Footprint, args: list[Any]) -> Run:
+        """How the step sees this run of ``region`` with a plan of footprint ``fp`` (its inputs from ``args``)."""
+        k = len(self._calls)
+        reads, own, new_grads = [], {}, 0
+        inputs = fp.inputs
+        for i, (t, kind) in enumerate(zip(args, region.kinds)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            pointer, nbytes = s.data_ptr(), s.nbytes()
+            if kind in ("param", "buffer"):
+                if kind == "param" and self.config.offload_weights:
+                    continue
+                self._add_weight(t)
+                own[pointer] = nbytes
+                if kind == "param" and t.requires_grad and t.grad is None and id(t) not in self._grads_counted:
+                    self._grads_counted.add(id(t))
+                    new_grads += t.numel() * t.element_size()
+                continue
+            made = self._made.get(pointer)
+            if made is None:  # the batch, or what eager code made from it: held by the caller
+                self._batch[pointer] = nbytes
+                own[pointer] = nbytes
+                continue
+            saved = inputs[i][1] if i < len(inputs) else True
+            reads.append((made[0], made[1], saved))
+        makes = tuple((("out", k, o), b, saved) for o, (b, saved) in enumerate(fp.outputs))
+        if self.config.offload_weights:
+            new_grads = 0
+        kept = self._kept.get(self._signature() + (region.index,))
+        return Run(fp=fp, own_bytes=sum(own.values()), reads=tuple(reads), makes=makes, new_grad_bytes=new_grads,
+                   region=region.index, caller_keeps=kept)
+
+    def _later(self, region: Region) -> list[_Call] | None:
+        """The runs that followed this one in the previous step, if this step has run the same regions so far."""
+        prev, k = self._previous, len(self._calls)
+        if prev is None or len(prev) <= k or prev[k].region is not region:
+            return None
+        if any(a.region is not b.region for a, b in zip(self._calls, prev)):
+            return None
+        return prev[k + 1:]
+
+    def _sequence_peak(self, views: list[Run], calls: list[_Call]) -> int:
+        signature = tuple(c.region.index for c in calls)
+        return Step(self._persistent_bytes(), tuple(views), tuple(self._gap_list(views, signature))).peak_bytes
+
+    def _replay(self, region: Region) -> Variant | None:
+        """The previous step's variant for this run, when this step repeats that step so far and it fit."""
+        prev, k = self._previous, len(self._calls)
+        if not self._previous_fit or prev is None or len(prev) <= k or prev[k].region is not region:
+            return None
+        if any(a.region is not b.region or a.variant is not b.variant for a, b in zip(self._calls, prev)):
+            return None
+        return prev[k].variant
+
+    def _choose(self, region: Region, args: list[Any]) -> Variant:
+        replay = self._replay(region)
+        if replay is not None:
+            assert self._previous is not None
+            self._pending_view = self._previous[len(self._calls)].view
+            return replay
+        keep = self._keep(region)
+        self._pending_view = self._view(region, keep.fp, args)
+        later = self._later(region)
+        if later is None and self._calls:
+            self._previous_fit = False
+        calls = list(self._calls)
+        signature_calls = calls + [_Call(region, keep, self._pending_view)] + (later or [])
+
+        def sequence(fp: Footprint, lean_later: bool = True) -> list[Run]:
+            rest = [replace(c.view, fp=(self._leanest(c.region) if lean_later else self._keep(c.region)).fp)
+                    for c in later or []]
+            return [c.view for c in calls] + [replace(self._pending_view, fp=fp)] + rest
+
+        def peak(fp: Footprint) -> int:
+            return self._sequence_peak(sequence(fp), signature_calls)
+
+        self._resolve_budget([replace(c.view, fp=self._keep(c.region).fp) for c in calls]
+                             + sequence(keep.fp, lean_later=False)[len(calls):], signature_calls)
+        budget = self.budget_bytes
+        assert budget is not None
+        usable = [v for v in region.variants if peak(v.fp) <= budget]
+        best = min(usable, key=lambda v: (v.plan.step_time_us or 0.0, v.fp.peak_bytes)) if usable else None
+        ran = self._previous[len(calls)].variant if later is not None and self._previous else None
+        if ran is not None and ran in usable and ran is not region.leanest:
+            best = ran  # what this run ran last step still fits: no recompile for a step a little faster on paper
+        lean = self._leanest(region)
+        target = self._target(region, keep, sequence, signature_calls, budget)
+        if best is not None and (best is not lean or not self._worth_planning(region, target)):
+            return best
+        region.planned_at.append(target)
+        for _ in range(RETRIES):
+            if target <= 0 or target < lean.fp.peak_bytes:
+                break
+            variant = self._plan(region, target)
+            over = peak(variant.fp) - budget
+            if over <= 0:
+                region.variants.append(variant)
+                return variant
+            target -= over
+        if peak(lean.fp) <= budget and self.config.strategy == DEFAULT_STRATEGY:
+            return lean  # the default strategy's floor: what every "smallest budget known to work" refers to
+        return self._no_room(region, later, sequence, signature_calls)
+
+    def _worth_planning(self, region: Region, target: int) -> bool:
+        """Only the leanest plan fits: plan at ``target`` unless a plan was already made at about that much."""
+        return not any(abs(target - t) <= 0.02 * t for t in region.planned_at)
+
+    def _target(self, region: Region, keep: Variant, sequence: Callable, calls: list[_Call], budget: int) -> int:
+        """The peak this run's plan may have, as its own problem counts it: the budget less what the step holds
+        besides it in its forward and in its backward, whichever is more."""
+        empty = replace(keep.fp, fwd_peak_bytes=0, bwd_peak_bytes=0, internal_held_bytes=0)
+        views = sequence(empty)
+        step = Step(self._persistent_bytes(), tuple(views), tuple(self._gap_list(views, tuple(
+            c.region.index for c in calls))))
+        k = len(self._calls)
+        around = [p.device_bytes for p in step.phases if p.run == k and p.stage in ("forward", "backward")]
+        return budget - max(around, default=0)
+
+    def _resolve_budget(self, unplanned: list[Run], calls: list[_Call]) -> None:
+        """A fraction of the step unplanned: of the largest one measured so far (a larger batch, gradients now
+        held), or of this one where it is larger still. A step whose code between the runs is not measured yet
+        counts a guess for it (``LOSS_HEAD_GUESS``), which the measurement then replaces, so the budget in bytes
+        may come down once, never below the largest step measured."""
+        whole = self._sequence_peak(unplanned, calls)
+        signature = tuple(c.region.index for c in calls)
+        if all(signature[:k + 1] in self._gaps for k in range(len(signature))):
+            self._firm_unplanned = max(self._firm_unplanned, whole)
+        self._guessed_unplanned = max(self._guessed_unplanned, whole)
+        self._unplanned_bytes = max(self._firm_unplanned or self._guessed_unplanned, whole)
+        if self.config.budget.fraction is None:
+            return
+        resolved = self.config.budget.resolve(self._unplanned_bytes)
+        if resolved != self.budget_bytes:
+            if self.budget_bytes is not None:
+                log.info("karma_fx: budget %s is now %s (the step is %s unplanned)", self.config.budget,
+                         format_bytes(resolved), format_bytes(self._unplanned_bytes))
+            self.budget_bytes = resolved
+
+    def _no_room(self, region: Region, later: list[_Call] | None, sequence: Callable, calls: list[_Call]) -> Variant:
+        assert self.budget_bytes is not None
+        lean = self._leanest(region)
+        learning = later is None and (bool(self._calls) or self.config.budget.fraction is not None)
+        if learning and self.config.strategy == DEFAULT_STRATEGY:
+            # The first step of a sequence not seen before: go on with the leanest plan, learn the rest of the
+            # step, and check the whole sequence when the next step starts. (A fraction is of the whole step,
+            # which the first run cannot know: more runs may follow.)
+            log.warning("karma_fx: run %d of this step (region %d) does not fit in what the earlier runs left of "
+                        "the budget; it runs with its leanest plan and the step's sequence is checked before the "
+                        "next step", len(self._calls) + 1, region.index)
+            return lean
+        leanest = [replace(c.view, fp=self._leanest(c.region).fp) for c in self._calls]
+        rest = [replace(c.view, fp=self._leanest(c.region).fp) for c in later or []]
+        views = leanest + [replace(self._pending_view, fp=lean.fp)] + rest
+        needed = self._sequence_peak(views, calls)
+        unplanned = self._unplanned_bytes
+        raise InfeasibleBudgetError(
+            f"strategy {_name(self.config.strategy)!r} cannot fit the training step in "
+            f"{format_bytes(self.budget_bytes)}"
+            + (f" (its {len(views)} compiled region runs share the budget)" if len(views) > 1 else "")
+            + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: every saved "
+              f"activation swapped out and back just in time), which the default strategy {DEFAULT_STRATEGY!r} "
+              f"reaches; with nothing moved the step peaks at {format_bytes(unplanned)}"
+            + self._what_is_held(views, calls),
+            min_budget_bytes=needed, budget_bytes=self.budget_bytes)
+
+    def _what_is_held(self, views: list[Run], calls: list[_Call]) -> str:
+        """The parts of the step no plan can move: gradients held from an earlier micro-batch, tensors pinned by
+        graph breaks (where each break is, and how much it pins)."""
+        notes = []
+        grads = self._held_grad_bytes()
+        if grads:
+            notes.append(f"{format_bytes(grads)} of it are gradients held from an earlier backward (accumulating: "
+                         f"they count; otherwise call optimizer.zero_grad(set_to_none=True) before the step)")
+        pinned = pinned_by_breaks(views)
+        if any(pinned):
+            at: dict[str, list[int]] = {}
+            for k, b in enumerate(pinned):
+                if b > 0:
+                    before = calls[k - 1].region
+                    where = before.ends_at or f"where region {before.index} returns"
+                    at.setdefault(where, []).append(b)
+            parts = [f"{format_bytes(sum(bs))} at {where}" + (f" ({len(bs)} runs)" if len(bs) > 1 else "")
+                     for where, bs in sorted(at.items(), key=lambda e: -sum(e[1]))]
+            notes.append(f"graph breaks pin {format_bytes(sum(pinned))} that the backward reads across them, which "
+                         f"no plan can move: " + "; ".join(parts[:4]) + (f"; {len(parts) - 4} more" if len(parts) > 4
+                                                                          else ""))
+        return "".join(f". {n}" for n in notes)
+
+    def _held_grad_bytes(self) -> int:
+        return sum(p.grad.untyped_storage().nbytes() for p in list(self._params.values()) if p.grad is not None)
+
+    # ---- the step's figures -------------------------------------------------------------------------------
+    def step_figures(self) -> tuple[int, int, int]:
+        """(predicted peak, unplanned peak, smallest budget known to work) of the step that ran last: the whole
+        step's device bytes as the ledger counts them, with the plans it ran, nothing moved, the leanest plans."""
+        calls = self._calls or self._previous or []
+        if not calls:
+            raise KarmaError("call the compiled module once first (in training mode, with gradients on): plans "
+                             "are made for concrete inputs")
+        keep = [replace(c.view, fp=self._keep(c.region).fp) for c in calls]
+        lean = [replace(c.view, fp=self._leanest(c.region).fp) for c in calls]
+        return (self._sequence_peak([c.view for c in calls], calls), self._sequence_peak(keep, calls),
+                self._sequence_peak(lean, calls))
+
+    # ---- variants ---------------------------------------------------------------------------------------
+    def _keep(self, region: Region) -> Variant:
+        """The plan that moves nothing. The default strategy runs it wherever it fits (it would plan nothing
+        else); a strategy asked for by name plans every step itself, as asked."""
+        if region.keep is None:
+            name = self.config.strategy if isinstance(self.config.strategy, str) else "keep"
+            region.keep = self._variant(region, Plan(name, 0, status="KEEP",
+                                                     notes=("nothing moved: the step as compiled",)))
+            if self.config.strategy in (DEFAULT_STRATEGY, "keep"):
+                region.variants.append(region.keep)
+        return region.keep
 
     def _leanest(self, region: Region) -> Variant:
         if region.leanest is None:
@@ -317,7 +575,7 @@ class Session:
             p = region.prepared
             decisions = leanest_decisions(p.problem, p.costs, stream_weights=self.config.offload_weights)
             name = self.config.strategy if isinstance(self.config.strategy, str) else "leanest"
-            region.leanest = self._variant(region, Plan(name, 1 << 62, decisions=decisions, status="FALLBACK:leanest",
+            region.leanest = self._variant(region, Plan(name, 0, decisions=decisions, status="FALLBACK:leanest",
                                                         notes=("the leanest plan: every saved activation swapped "
                                                                "out and back just in time",)))
             region.variants.append(region.leanest)
@@ -326,8 +584,10 @@ class Session:
     def _variant(self, region: Region, raw: Plan) -> Variant:
         p = region.prepared
         plan, timeline = p.judge(raw)
+        if not plan.budget_bytes:  # a plan made for no budget in particular: the one in force
+            plan = plan.replace(budget_bytes=self.budget_bytes or plan.peak_bytes or 0)
         return Variant(plan=plan, fp=footprint(p.problem, timeline, plan, offload_weights=self.config.offload_weights,
-                                                  boundary=region.boundary))
+                                               boundary=region.boundary))
 
     def _plan(self, region: Region, target: int) -> Variant:
         """Plan the region at ``target`` bytes, or reuse the plan cached for exactly that (``plan_cache``)."""
@@ -355,92 +615,48 @@ class Session:
                  planned.plan.strategy, planned.plan.status, format_bytes(planned.plan.peak_bytes))
         if cache is not None and key is not None:
             cache.put(key, planned.plan)
-        return Variant(plan=planned.plan, fp=footprint(p.problem, planned.timeline, planned.plan,
-                                                       offload_weights=self.config.offload_weights,
-                                                       boundary=region.boundary))
+        plan = planned.plan.replace(budget_bytes=self.budget_bytes or target)
+        return Variant(plan=plan, fp=footprint(p.problem, planned.timeline, plan,
+                                               offload_weights=self.config.offload_weights, boundary=region.boundary))
 
-    def _replay(self, region: Region) -> Variant | None:
-        """The previous step's variant for this run, when this step repeats that step so far and it fit."""
-        prev, k = self._previous, len(self._runs)
-        if not self._previous_fit or prev is None or len(prev) <= k or prev[k].region is not region:
-            return None
-        if any(a.region is not b.region or a.variant is not b.variant for a, b in zip(self._runs, prev)):
-            return None
-        return prev[k].variant
 
-    def _choose(self, region: Region, args: list[Any]) -> Variant:
-        assert self.budget_bytes is not None
-        persistent, own = self._persistent(args, region)
-        self._own_of_last_choice = own
-        replay = self._replay(region)
-        if replay is not None:
-            return replay
-        later = self._later(region)
-        space = room(self.budget_bytes, persistent, own, [r.variant.fp.held_bytes for r in self._runs], later)
-        if later is None and self._runs:
-            self._learning = True
-        usable = [v for v in region.variants if space.admits(v.fp)]
-        if usable:
-            return min(usable, key=lambda v: (v.plan.step_time_us or 0.0, v.fp.peak_bytes))
-        target = int(min(space.peak_bytes, space.held_bytes))
-        if target > 0:
-            variant = self._plan(region, target)
-            variant = Variant(plan=variant.plan.replace(budget_bytes=int(space.peak_bytes)), fp=variant.fp)
-            if space.admits(variant.fp):
-                region.variants.append(variant)
-                return variant
-        lean = self._leanest(region)
-        if space.admits(lean.fp) and self.config.strategy == DEFAULT_STRATEGY:
-            return lean  # the default strategy's floor: what every "smallest budget known to work" refers to
-        return self._no_room(region, lean, later, persistent, own)
+def _loss_head_guess(view: Run) -> int:
+    """What the code after the step's last forward may allocate, before it is measured: nothing where the model
+    returns a scalar (it computed its loss itself, as a HF model given labels does), else ``LOSS_HEAD_GUESS``
+    times the outputs it returns (a loss over them)."""
+    outputs = [b for _, b, saved in view.makes if not saved]
+    if any(b <= 8 for _, b, _ in view.makes):
+        return 0
+    return LOSS_HEAD_GUESS * sum(outputs)
 
-    def _no_room(self, region: Region, lean: Variant, later: list[Footprint] | None,
-                 persistent: int, own: int) -> Variant:
-        assert self.budget_bytes is not None
-        if later is None and self._runs and self.config.strategy == DEFAULT_STRATEGY:
-            # The first step of a sequence not seen before: go on with the leanest plan, learn the rest of the
-            # step, and check the whole sequence when the next step starts.
-            log.warning("karma_fx: run %d of this step (region %d) does not fit in what the earlier runs left of "
-                        "the budget; it runs with its leanest plan and the step's sequence is checked before the "
-                        "next step", len(self._runs) + 1, region.index)
-            return lean
-        runs = [*(r.fp(self._leanest(r.region)) for r in self._runs), replace(lean.fp, own_bytes=own),
-                *(later or [])]
-        needed = total_that_works(max(persistent, self._step_persistent), runs)
-        others = self.others_bytes(region)
-        unplanned = region.prepared.unplanned_peak_bytes + others
-        grads = self._lingering_grad_bytes()
-        raise InfeasibleBudgetError(
-            f"strategy {_name(self.config.strategy)!r} cannot fit the training step in "
-            f"{format_bytes(self.budget_bytes)}"
-            + (f" (its {len(runs)} compiled region runs share the budget)" if len(runs) > 1 else "")
-            + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: every saved "
-              f"activation swapped out and back just in time), which the default strategy {DEFAULT_STRATEGY!r} "
-              f"reaches; with nothing moved the step peaks at {format_bytes(unplanned)}"
-            + (f". {format_bytes(grads)} of that are gradients left from an earlier step: call "
-               f"optimizer.zero_grad(set_to_none=True) before the step, or budget for them" if grads else ""),
-            min_budget_bytes=needed, budget_bytes=self.budget_bytes)
 
-    def _lingering_grad_bytes(self) -> int:
-        model = self._model() if self._model is not None else None
-        if model is None:
-            return 0
-        return sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+def _profiling() -> bool:
+    from karma_fx.measure_run import profiler_running
+
+    return profiler_running()
 
 
 def _name(strategy: Any) -> str:
     return strategy if isinstance(strategy, str) else getattr(strategy, "name", type(strategy).__name__)
 
 
-def boundary_of(step: Any, problem: Any) -> Boundary:
-    """The storages a region's forward returns and those of its parameters' gradients (joint outputs)."""
+def boundary_of(step: Any, problem: Any, kinds: tuple[str, ...] = ()) -> Boundary:
+    """The storages a region's problem has at its edges: per primal, per forward output the run returns (the
+    joint graph's forward outputs start with the new values of the inputs it updates in place, which AOTAutograd
+    writes back instead of returning), and its parameters' gradients."""
     output = next(n for n in step.joint.graph.nodes if n.op == "output")
     storage_of = dict(problem.aliases)
     outs = list(output.args[0])
+    primals = [n for n in step.joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
 
-    def storages(nodes: list) -> frozenset[str]:
-        return frozenset(storage_of.get(n.name, n.name) for n in nodes if isinstance(n, fx.Node))
+    def storage(node: Any) -> str | None:
+        if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            return None
+        return storage_of.get(node.name, node.name)
 
+    mutated = sum(1 for k in kinds if k == "buffer")
     grads = [outs[step.num_fwd_outputs + i] for i, k in enumerate(step.primal_kinds)
              if k == "param" and step.num_fwd_outputs + i < len(outs)]
-    return Boundary(outputs=storages(outs[:step.num_fwd_outputs]), param_grads=storages(grads))
+    return Boundary(inputs=tuple(storage(p) for p in primals),
+                    outputs=tuple(storage(n) for n in outs[mutated:step.num_fwd_outputs]),
+                    param_grads=frozenset(s for s in map(storage, grads) if s is not None))

@@ -70,6 +70,9 @@ class Timeline:
     """(storage, bytes) resident at the peak, largest first: what a better plan would have to move."""
     issue_us: float = 0.0
     """Compute time spent issuing copies and waiting on them (``Costs.copy_issue_us``)."""
+    forward_items: int = 0
+    """How many leading entries of ``memory`` belong to the forward (the rest, recomputes included, to the
+    backward): a region run of a graph-broken step sees other runs' tensors in each phase differently."""
 
 
 @dataclass(frozen=True)
@@ -723,7 +726,9 @@ def _timeline(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, s
                     memory=tuple(memory), peak_bytes=peak, makespan_us=streams.makespan_us,
                     compute_us=sum(costs.op_time_us), recompute_us=streams.recompute_us, stall_us=streams.stall_us,
                     host_peak_bytes=host_peak, rows=rows, peak_op=peak_op, peak_storages=tuple(at_peak),
-                    issue_us=costs.copy_issue_us * (len(streams.d2h) + len(streams.h2d)))  # one charge a copy
+                    issue_us=costs.copy_issue_us * (len(streams.d2h) + len(streams.h2d)),  # one charge a copy
+                    forward_items=(seq.first_item[problem.num_fwd_ops] if problem.num_fwd_ops < len(problem.ops)
+                                   else len(live)))
 
 
 def _schedule_rows(problem: Problem, memory: list[tuple[float, int]],

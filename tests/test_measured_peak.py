@@ -78,7 +78,7 @@ def test_recomputed_attention_reads_the_rebuilt_projection_not_the_original():
     from karma_fx.zoo import build
 
     model, args, kwargs = build("megatron_gpt", "tiny", batch=2, seq=128, layers=2, hidden=128, heads=4, vocab=512)
-    prep = karma_fx.prepare(model, args, kwargs)
+    prep = karma_fx.prepare(model, args, kwargs, device="h100")  # tensors only, as the ground truth counts
     plan = prep.plan(budget=0.8, strategy="checkpoint").plan
     assert any(op.startswith("addmm") for d in plan.decisions for op in getattr(d, "ops", ()))
     joint, _ = rewrite_joint(prep.step, prep.problem, plan)
@@ -96,7 +96,7 @@ def test_a_recompute_reading_a_swapped_out_tensor_reads_its_reload():
     from karma_fx.zoo import build
 
     model, args, kwargs = build("megatron_gpt", "tiny", batch=2, seq=256, layers=2, hidden=256, heads=4, vocab=1024)
-    prep = karma_fx.prepare(model, args, kwargs)
+    prep = karma_fx.prepare(model, args, kwargs, device="h100")  # tensors only, as the ground truth counts
     plan = prep.plan(budget=0.7, strategy="greedy").plan
     swapped = {d.tensor for d in plan.offloads}
     readers = [d for d in plan.recomputes for op in d.ops if set(prep.problem.ops[prep.problem.op_index(op)].inputs) & swapped]
