@@ -23,6 +23,7 @@ Dynamic shapes are not supported: a plan is made for concrete sizes. Pass ``dyna
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, Callable
 
@@ -159,10 +160,12 @@ class KarmaBackend:
                 return plan
             # The step runs here: priced on this device, on the tensors of this run (``karma_fx.pricing``).
             primals = [a for a in args if isinstance(a, torch.Tensor)]
+            started = time.perf_counter()
             problem, costs, pricing = price(step, problem, session.config.pricing(runs_here=True), primals)
             keep = simulate(problem, (), costs)
             region.boundary = boundary_of(step, problem, region.kinds)
-            prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step, pricing=pricing)
+            prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step, pricing=pricing,
+                                seconds={"costs": time.perf_counter() - started})
             chosen["variant"] = session.decide(region, args, prepared)
             return chosen["variant"].plan
 

@@ -34,7 +34,7 @@ from karma_fx.plan import Plan
 from karma_fx.strategies import Strategy
 
 log = logging.getLogger("karma_fx.compile")
-_OWN = ("_orig_mod", "_session", "_compiled", "pipeline", "_parameters_seen")
+_OWN = ("_orig_mod", "_session", "_compiled", "pipeline", "_parameters_seen", "_made_with")
 
 
 class KarmaModule(nn.Module):
@@ -64,6 +64,7 @@ class KarmaModule(nn.Module):
             raise KarmaError("max_grad_norm applies to the host optimizer (optimizer=...); without it, clip .grad "
                              "yourself with torch.nn.utils.clip_grad_norm_ after backward, as usual")
         session = Session(config, model=model, pipeline=pipeline)
+        object.__setattr__(self, "_made_with", (config, optimizer, data_parallel, bucket_bytes, max_grad_norm))
         object.__setattr__(self, "pipeline", pipeline)
         if pipeline is not None:  # Dynamo's caches keep the session; the pipeline's state goes with this module
             pipeline.tie_to(self)
@@ -79,6 +80,14 @@ class KarmaModule(nn.Module):
             if name in _OWN:
                 raise
             return getattr(self._orig_mod, name)
+
+    def __reduce__(self) -> tuple:
+        """Pickled as the model and how it was compiled (``torch.save(step)`` works, as for a plain
+        ``torch.compile`` module): compiled code and plans are made again on the first call after loading; the
+        host optimizer's state travels with it."""
+        state = self.pipeline.optimizer.state_dict() if self.pipeline is not None and \
+            self.pipeline.optimizer is not None else None
+        return _restore, (self._orig_mod, *self._made_with, state)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``state_dict`` (keys unchanged, as if it had not been compiled)."""
@@ -209,6 +218,15 @@ class KarmaModule(nn.Module):
             object.__setattr__(self, "_compiled", torch.compile(self._orig_mod, backend=KarmaBackend(self._session),
                                                                 dynamic=False))
             object.__setattr__(self, "_parameters_seen", seen)
+
+
+def _restore(model: nn.Module, config: KarmaConfig, optimizer: OptimizerFactory | None, data_parallel: bool,
+             bucket_bytes: int, max_grad_norm: float | None, optimizer_state: Any) -> "KarmaModule":
+    """A pickled ``KarmaModule`` loaded: compiled anew around the unpickled model (``KarmaModule.__reduce__``)."""
+    module = KarmaModule(model, config, optimizer, data_parallel, bucket_bytes, max_grad_norm)
+    if optimizer_state is not None and module.pipeline is not None and module.pipeline.optimizer is not None:
+        module.pipeline.optimizer.load_state_dict(optimizer_state)
+    return module
 
 
 RECOMPILE_LIMIT = 64

@@ -124,4 +124,5 @@ class KarmaConfig:
 
     def describe(self) -> str:
         name = self.strategy if isinstance(self.strategy, str) else getattr(self.strategy, "name", "custom")
-        return f"budget {self.budget}, strategy {name}, device {self.device.name}, compiler {self.compiler}"
+        device = self.device.name if self.device_named else "the one it runs on"
+        return f"budget {self.budget}, strategy {name}, device {device}, compiler {self.compiler}"

@@ -24,6 +24,7 @@ import contextvars
 import logging
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -172,6 +173,9 @@ def report(stage: str, *, strategy: str | None = None, slowdown: float | None = 
     if display is None:
         return
     with display.lock:
+        # A new stage is news (a few INFO lines a planning); each probe within one is detail (DEBUG): a strategy
+        # reports every order and quota it tries, 35 lines for one small region.
+        level = logging.INFO if _kind(stage) != _kind(display.stage) else logging.DEBUG
         display.stage = stage
         if strategy is not None:
             display.strategy = strategy
@@ -179,11 +183,16 @@ def report(stage: str, *, strategy: str | None = None, slowdown: float | None = 
             display.slowdown = slowdown
         if peak_bytes is not None:
             display.peak_bytes = peak_bytes
-        text = display.text() if LOGGER.isEnabledFor(logging.INFO) else ""
+        text = display.text() if LOGGER.isEnabledFor(level) else ""
     if text:
-        LOGGER.info("%s", text)
+        LOGGER.log(level, "%s", text)
     if display.enabled:
         display.refresh()  # shows nothing before the threshold; after it keeps the line current
+
+
+def _kind(stage: str) -> str:
+    """What a stage is, less its particulars: ``"swap quota 0.25, local order"`` -> ``"swap quota"``."""
+    return re.sub(r"[\d.]+", "", stage.split(",")[0]).strip()
 
 
 def current_text() -> str | None:

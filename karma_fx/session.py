@@ -180,6 +180,7 @@ class Session:
         self._firm_unplanned = 0
         self._guessed_unplanned = 0
         self._remeasured = False
+        self._device_baseline = 0
         self._pending_view: Run | None = None
 
     # ---- steps ------------------------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class Session:
                 self._add_weight(t)
         for p in list(self._params.values()):  # what earlier steps' runs read: their gradients may be held now
             self._add_weight(p)
+        self._device_baseline = _allocated_on(self._params.values())
         self._previous_fit = not self._remeasured and self._previous is not None and \
             self.budget_bytes is not None and \
             self._sequence_peak([c.view for c in self._previous], self._previous) <= self.budget_bytes
@@ -227,8 +229,10 @@ class Session:
 
     def _persistent_bytes(self) -> int:
         """Weights, buffers, gradients held and the batch (at least the previous step's: later runs may read
-        more of it, and a replayed step does not count it again)."""
-        return sum(self._weights.values()) + max(sum(self._batch.values()), self._previous_batch)
+        more of it, and a replayed step does not count it again); on a GPU at least what its allocator held when
+        the step began (what the caller holds besides: labels, optimizer state, other models)."""
+        seen = sum(self._weights.values()) + max(sum(self._batch.values()), self._previous_batch)
+        return max(seen, self._device_baseline)
 
     # ---- runs -------------------------------------------------------------------------------------------
     def run(self, region: Region, args: list[Any], compile_variant: Callable[[Region, Plan | None, list], Variant]
@@ -506,7 +510,9 @@ class Session:
         rest = [replace(c.view, fp=self._leanest(c.region).fp) for c in later or []]
         views = leanest + [replace(self._pending_view, fp=lean.fp)] + rest
         needed = self._sequence_peak(views, calls)
+        needed += max(1024, needed // 1000)  # the step's few bytes no plan sees: scalars of the loss, its seed
         unplanned = self._unplanned_bytes
+        partial = later is None and not self._calls  # the step's first run: what follows is not known yet
         raise InfeasibleBudgetError(
             f"strategy {_name(self.config.strategy)!r} cannot fit the training step in "
             f"{format_bytes(self.budget_bytes)}"
@@ -514,8 +520,38 @@ class Session:
             + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: every saved "
               f"activation swapped out and back just in time), which the default strategy {DEFAULT_STRATEGY!r} "
               f"reaches; with nothing moved the step peaks at {format_bytes(unplanned)}"
-            + self._what_is_held(views, calls),
+            + self._where_the_floor_is(views, calls)
+            + self._what_is_held(views, calls)
+            + (". That total is for the step's first compiled region: if graph breaks split the model, the regions "
+               "after it need room too, and a step that runs to its end names the total for all of them"
+               if partial else ""),
             min_budget_bytes=needed, budget_bytes=self.budget_bytes)
+
+    def _where_the_floor_is(self, views: list[Run], calls: list[_Call]) -> str:
+        """Where the step with every run at its leanest plan peaks: the phase, and the op there (by module)."""
+        signature = tuple(c.region.index for c in calls)
+        step = Step(self._persistent_bytes(), tuple(views), tuple(self._gap_list(views, signature)))
+        phase = step.peak
+        if phase.stage == "after":
+            return (f"; that floor is reached after the forward of run {phase.run + 1}, in the code that runs "
+                    f"between compiled regions (the loss head after the last one)")
+        region = calls[phase.run].region
+        from karma_fx.problem import describe_op
+        from karma_fx.simulate import simulate
+
+        p = region.prepared
+        timeline = simulate(p.problem, self._leanest(region).plan, p.costs)
+        items = [iv for iv in timeline.compute if iv.kind in ("op", "recompute")]
+        span = range(timeline.forward_items) if phase.stage == "forward" else \
+            range(timeline.forward_items, len(timeline.memory))
+        if not span or len(items) != len(timeline.memory):
+            return ""
+        k = max(span, key=lambda i: timeline.memory[i][1])
+        name = items[k].label
+        where = describe_op(p.problem.ops[p.problem.op_index(name)]) if name in {o.name for o in p.problem.ops} \
+            else name
+        run = f"run {phase.run + 1}'s (region {region.index})" if len(calls) > 1 else "the"
+        return f"; that floor is reached in {run} {phase.stage}, at {where}"
 
     def _what_is_held(self, views: list[Run], calls: list[_Call]) -> str:
         """The parts of the step no plan can move: gradients held from an earlier micro-batch, tensors pinned by
@@ -628,6 +664,12 @@ def _loss_head_guess(view: Run) -> int:
     if any(b <= 8 for _, b, _ in view.makes):
         return 0
     return LOSS_HEAD_GUESS * sum(outputs)
+
+
+def _allocated_on(tensors: Any) -> int:
+    """What the CUDA caching allocator holds on the device of ``tensors`` (0 off CUDA: a CPU has no such count)."""
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    return torch.cuda.memory_allocated(device) if device is not None else 0
 
 
 def _profiling() -> bool:

@@ -1,0 +1,80 @@
+"""The step ledger (``karma_fx.regions``) on hand-built runs, numbers small enough to check by hand."""
+from __future__ import annotations
+
+from karma_fx.regions import Footprint, Run, Step, pinned_by_breaks, step_peak
+
+
+def fp(fwd: int, bwd: int, internal: int = 0) -> Footprint:
+    return Footprint(fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, own_bytes=0, internal_held_bytes=internal)
+
+
+def phases(step: Step) -> dict[tuple[int, str], int]:
+    return {(p.run, p.stage): p.device_bytes for p in step.phases}
+
+
+def test_one_run_is_its_own_curve_over_what_the_step_holds_besides():
+    run = Run(fp=fp(300, 500, internal=200), own_bytes=100, makes=((("out", 0, 0), 10, False),))
+    step = Step(persistent_bytes=1000, runs=(run,), gap_bytes=(40,))
+    got = phases(step)
+    assert got[(0, "forward")] == 1000 - 100 + 300
+    # after the forward: persistent, what it keeps for its backward, its output, and the loss head's climb
+    assert got[(0, "after")] == 1000 + 200 + 10 + 40
+    assert got[(0, "backward")] == 1000 - 100 + 500
+    assert step.peak_bytes == 1400 and step.peak.stage == "backward"
+
+
+def test_a_tensor_crossing_a_break_is_counted_once():
+    """Run 0 keeps its output for its backward; run 1 reads it. In run 1's forward its curve counts it, and
+    run 0's held bytes must not count it again; in run 1's backward it is still there (run 0 keeps it), but
+    run 1's backward does not read it, so its curve's copy goes."""
+    h = ("out", 0, 0)
+    first = Run(fp=fp(300, 400, internal=100), own_bytes=50, makes=((h, 64, True),))
+    second = Run(fp=fp(200, 250, internal=30), own_bytes=20, reads=((h, 64, False),),
+                 makes=((("out", 1, 0), 4, False),))
+    got = phases(Step(persistent_bytes=1000, runs=(first, second)))
+    assert got[(1, "forward")] == 1000 - 20 + 100 + 200  # run 0's internal held; h is in run 1's own curve
+    assert got[(1, "backward")] == 1000 - 20 + 100 + 64 + 250 - 64  # h held by run 0; run 1 drops its copy
+    # run 1 is done: nothing of it is left but its output, the loss the caller holds (no new gradients)
+    assert got[(0, "backward")] == 1000 - 50 + 400 + 4
+
+
+def test_later_runs_new_gradients_stay_through_earlier_backwards_unless_accumulated():
+    a = Run(fp=fp(100, 100), own_bytes=0, makes=((("out", 0, 0), 8, False),))
+    b = Run(fp=fp(100, 100), own_bytes=0, reads=((("out", 0, 0), 8, False),), makes=((("out", 1, 0), 4, False),),
+            new_grad_bytes=70)
+    fresh = phases(Step(persistent_bytes=0, runs=(a, b)))
+    held = phases(Step(persistent_bytes=0, runs=(a, replace_grads(b, 0))))
+    assert fresh[(0, "backward")] - held[(0, "backward")] == 70
+
+
+def replace_grads(run: Run, nbytes: int) -> Run:
+    from dataclasses import replace
+
+    return replace(run, new_grad_bytes=nbytes)
+
+
+def test_a_tensor_waiting_for_a_later_run_is_alive_in_between():
+    """A residual made by run 0, read again only by run 2: alive during run 1's forward, though run 1 does not
+    read it (Python holds it)."""
+    r = ("out", 0, 0)
+    runs = (Run(fp=fp(10, 10), own_bytes=0, makes=((r, 500, False), (("out", 0, 1), 8, False))),
+            Run(fp=fp(10, 10), own_bytes=0, reads=((("out", 0, 1), 8, False),), makes=((("out", 1, 0), 8, False),)),
+            Run(fp=fp(10, 10), own_bytes=0, reads=((r, 500, False), (("out", 1, 0), 8, False)),
+                makes=((("out", 2, 0), 4, False),)))
+    got = phases(Step(persistent_bytes=0, runs=runs))
+    assert got[(1, "forward")] == 500 + 10
+
+
+def test_the_caller_letting_outputs_go_before_the_backward():
+    logits = ("out", 0, 0)
+    kept = Run(fp=fp(100, 900), own_bytes=0, makes=((logits, 400, False),))
+    dropped = Run(fp=fp(100, 900), own_bytes=0, makes=((logits, 400, False),), caller_keeps=frozenset())
+    assert step_peak(0, [kept]) - step_peak(0, [dropped]) == 400
+
+
+def test_breaks_pin_what_a_backward_reads_across_them():
+    h, g = ("out", 0, 0), ("out", 1, 0)
+    runs = [Run(fp=fp(1, 1), own_bytes=0, makes=((h, 64, True),)),
+            Run(fp=fp(1, 1), own_bytes=0, reads=((h, 64, False),), makes=((g, 32, False),)),
+            Run(fp=fp(1, 1), own_bytes=0, reads=((g, 32, False),), makes=((("out", 2, 0), 4, False),))]
+    assert pinned_by_breaks(runs) == [0, 64, 0]  # g is read by run 2's forward only: nothing pins it
