@@ -147,22 +147,25 @@ class SmallLM(nn.Module):
 
 
 class InPlaceViews(nn.Module):
-    """Updates views of intermediate tensors in place (slices, a reshaped view, a transposed row): after
-    functionalization these are scatter ops into their base, which the plan must account as PyTorch runs them."""
+    """Updates views of intermediate tensors in place (a slice, a reshaped view, a transposed row) in each of
+    four blocks: after functionalization these are scatter ops into their base, which the plan must account as
+    PyTorch runs them. Activations, not weights, fill the step, so a plan has something to move."""
 
-    def __init__(self, d: int = 256) -> None:
+    def __init__(self, d: int = 256, blocks: int = 4) -> None:
         super().__init__()
-        self.lin1, self.lin2, self.out = nn.Linear(64, d), nn.Linear(d, d), nn.Linear(d, 8)
+        self.inp = nn.Linear(64, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+        self.out = nn.Linear(d, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin1(x)
-        h[:, : h.shape[1] // 2].mul_(0.5)
-        h = torch.relu(h)
-        g = self.lin2(h)
-        g.view(g.shape[0], 4, -1)[:, 1].add_(1.0)
-        g.t()[0].sub_(0.25)
-        g = torch.tanh(g)
-        return self.out(g * h)
+        h = self.inp(x)
+        for lin in self.blocks:
+            g = lin(h)
+            g[:, : g.shape[1] // 2].mul_(0.5)
+            g.view(g.shape[0], 4, -1)[:, 1].add_(1.0)
+            g.t()[0].sub_(0.25)
+            h = h + torch.tanh(g) * torch.sigmoid(g)
+        return self.out(h)
 
 
 class AccumulateMLP(nn.Module):
@@ -260,7 +263,7 @@ CASES: dict[str, ProbeCase] = {c.name: c for c in [
     ProbeCase("vit", lambda: (TinyViT(), _images(), _classify), what="ViT-style, 65 tokens, d=64"),
     ProbeCase("small-lm", lambda: (SmallLM(), [((i,), {}, i) for i in [torch.randint(0, 512, (8, 64))] * 4],
                                    _lm_loss), what="2-layer transformer LM, vocabulary 512"),
-    ProbeCase("inplace-views", lambda: (InPlaceViews(), [((torch.randn(512, 64),), {}, torch.randint(0, 8, (512,)))
+    ProbeCase("inplace-views", lambda: (InPlaceViews(), [((torch.randn(1024, 64),), {}, torch.randint(0, 8, (1024,)))
                                                         for _ in range(4)], _classify),
               what="in-place updates of views"),
     ProbeCase("t5", _t5, what="HF T5, 2+2 layers, d=32"),

@@ -107,8 +107,12 @@ class Region:
         if self.last is None:
             raise KarmaError("this region has not run in training mode yet: nothing was planned")
         plan = self.last.plan
-        return plan.replace(budget_bytes=self.budget_bytes) if self.budget_bytes and \
-            plan.budget_bytes != self.budget_bytes else plan
+        if not self.budget_bytes or plan.budget_bytes == self.budget_bytes:
+            return plan
+        # The budget is the whole step's; the peaks are this region's own problem's: say so beside them.
+        return plan.replace(budget_bytes=self.budget_bytes, notes=plan.notes + (
+            "budget: the whole step's; peak and unplanned peak: this region's own (its weights, inputs and what "
+            "it makes); the step's is KarmaModule.predicted_peak_bytes",))
 
     @property
     def graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -509,8 +513,7 @@ class Session:
         leanest = [replace(c.view, fp=self._leanest(c.region).fp) for c in self._calls]
         rest = [replace(c.view, fp=self._leanest(c.region).fp) for c in later or []]
         views = leanest + [replace(self._pending_view, fp=lean.fp)] + rest
-        needed = self._sequence_peak(views, calls)
-        needed += max(1024, needed // 1000)  # the step's few bytes no plan sees: scalars of the loss, its seed
+        needed = self._total_that_works(views, calls)
         unplanned = self._unplanned_bytes
         partial = later is None and not self._calls  # the step's first run: what follows is not known yet
         raise InfeasibleBudgetError(
@@ -526,6 +529,22 @@ class Session:
                "after it need room too, and a step that runs to its end names the total for all of them"
                if partial else ""),
             min_budget_bytes=needed, budget_bytes=self.budget_bytes)
+
+    def _total_that_works(self, views: list[Run], calls: list[_Call]) -> int:
+        """The budget to name: the step with these plans as this session now knows it, and as a fresh compile's
+        first steps will see it (before it learns which outputs the caller lets go and what the code after the
+        forward allocates, it assumes all kept and guesses), whichever is more, since whoever is told a total
+        starts again from scratch with it; and 0.1% (1 KiB at least) for the few bytes no plan sees (the loss's
+        scalars, the backward's seed)."""
+        signature = tuple(c.region.index for c in calls)
+        base = self._persistent_bytes()
+        known = Step(base, tuple(views), tuple(self._gap_list(views, signature))).peak_bytes
+        fresh_views = tuple(replace(v, caller_keeps=None) for v in views)
+        guessed = [max(g, _loss_head_guess(v) if k == len(views) - 1 else 0)
+                   for k, (g, v) in enumerate(zip(self._gap_list(views, signature), views))]
+        fresh = Step(base, fresh_views, tuple(guessed)).peak_bytes
+        needed = max(known, fresh)
+        return needed + max(1024, needed // 1000)
 
     def _where_the_floor_is(self, views: list[Run], calls: list[_Call]) -> str:
         """Where the step with every run at its leanest plan peaks: the phase, and the op there (by module)."""
