@@ -37,7 +37,8 @@ from karma_fx.passes.capture import _friendly_errors
 from karma_fx.passes.partition import make_partition_fn
 from karma_fx.plan import Plan
 from karma_fx.regions import Footprint
-from karma_fx.session import Region, Session, Variant, boundary_of
+from karma_fx.session import Session
+from karma_fx.variants import Region, Variant, boundary_of
 
 __all__ = ["KarmaBackend", "Region", "Session", "karma_backend", "regions"]
 

@@ -25,7 +25,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from karma_fx.backend import KarmaBackend
-from karma_fx.session import Region, Session, parameters_and_buffers
+from karma_fx.session import Session, parameters_and_buffers
+from karma_fx.variants import Region
 from karma_fx.config import KarmaConfig
 from karma_fx.device import DeviceSpec
 from karma_fx.errors import KarmaError, UnsupportedModelError
@@ -273,8 +274,9 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
             compiler: str | None = None) -> KarmaModule:
     """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan.
 
-    ``budget``: bytes (``"12GiB"``, ``12e9``) or a fraction of the unplanned peak (``0.5``), resolved once at
-    the first call and kept in bytes for later input shapes. ``optimizer``: a callable building a PyTorch
+    ``budget``: bytes (``"12GiB"``, ``12e9``) or a fraction (``0.5``) of the unplanned step as training runs
+    it (gradients held from earlier micro-batches and the loss head included), growing with it: the fraction of
+    the largest such step seen (``karma_fx.session``). ``optimizer``: a callable building a PyTorch
     optimizer from a list of parameters (e.g. ``functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)``);
     the update then runs on the host, bucket by bucket, while backward goes on, and those parameters get no
     ``.grad`` (do not step an optimizer yourself; ``step.optimizer`` is the one built, for LR schedulers and
@@ -284,9 +286,10 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     parameters stay in host memory and stream through the device window by window (CPU-tested, not
     implemented for CUDA weights yet). ``time_limit_s``: wall-clock limit for planning each region.
     ``plan_cache``: a directory of plans keyed by the captured graph, device, strategy and budget (default
-    ``$KARMA_PLAN_CACHE``), so a restarted job does not plan again. ``costs="measured"``: each region's ops are
-    timed once on the tensors of its first run (and the copy ops' speed measured) instead of the ``device``
-    preset's roofline. ``compiler``: ``"eager"`` (default) runs the planned graphs op by op; ``"inductor"``
+    ``$KARMA_PLAN_CACHE``), so a restarted job does not plan again. ``costs``: by default each region is
+    measured on the tensors of its first run, on the device it runs on (each kernel's scratch and each op's
+    time, and the copy ops' speed); ``"roofline"`` (or a ``device`` preset named) times the ops on the preset's
+    roofline instead, the scratch still measured (``karma_fx.pricing``). ``compiler``: ``"eager"`` (default) runs the planned graphs op by op; ``"inductor"``
     compiles them with Inductor, as ``torch.compile`` would, the copies and waits kept where the plan put them
     (``karma_fx.inductor``; not with ``optimizer=`` or ``data_parallel=`` yet).
     """

@@ -21,25 +21,23 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
-from karma_fx.budget import Budget, format_bytes
+from karma_fx.budget import format_bytes
 from karma_fx.config import KarmaConfig
-from karma_fx.errors import InfeasibleBudgetError, KarmaError
+from karma_fx.errors import KarmaError
 from karma_fx.plan import Plan
-from karma_fx.regions import Boundary, Footprint, Run, Step, footprint, pinned_by_breaks
+from karma_fx.between import Between
+from karma_fx.refusal import refusal
+from karma_fx.regions import Footprint, Run, Step
 from karma_fx.strategies import DEFAULT_STRATEGY
+from karma_fx.variants import Region, Variant, keep_variant, leanest_variant, planned_variant
 
 log = logging.getLogger("karma_fx.session")
-LOSS_HEAD_GUESS = 2
-"""Until the code after the last forward has been measured, it is taken to climb by this many times the
-bytes of the outputs the caller gets (a cross-entropy over logits: their log-softmax and its gradient, the
-logits freed meanwhile: measured 2.0x on a CPU)."""
 RETRIES = 3
 """Plans made at a lower target when the first one fits its run but leaves too little for the runs after."""
 
@@ -64,82 +62,6 @@ def parameters_and_buffers(model: nn.Module) -> tuple[list[nn.Parameter], list[t
                 seen.add(id(child))
                 stack.append(child)
     return list(params.values()), list(buffers.values())
-
-
-@dataclass
-class Variant:
-    """One plan of a region, compiled: what Dynamo's cached code calls for the runs that use this plan."""
-
-    plan: Plan
-    fp: Footprint
-    fn: Any = None
-    graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
-    grad_params: tuple[int, ...] = ()
-    """Primal positions of the parameters whose gradients this variant hands to the gradient pipeline."""
-
-
-@dataclass(eq=False)
-class Region:
-    """One compiled region (one Dynamo graph): its planning problem and the variants its runs used."""
-
-    index: int
-    gm: fx.GraphModule = field(repr=False)
-    kinds: tuple[str, ...]
-    names: tuple[str, ...]
-    prepared: Any = field(default=None, repr=False)
-    variants: list[Variant] = field(default_factory=list)
-    leanest: Variant | None = None
-    keep: Variant | None = None
-    inference_fn: Any = None
-    last: Variant | None = None
-    offload_weights: bool = False
-    boundary: Boundary = field(default_factory=Boundary)
-    ends_at: str = ""
-    """Where the region stops in the user's code when a graph break ends it (``file:line``, Dynamo's reason)."""
-    budget_bytes: int = 0
-    """The session's budget in bytes when this region last ran (a fraction grows with the step)."""
-    planned_at: list[int] = field(default_factory=list)
-    """The targets this region was planned at (a region is not planned twice at about the same target)."""
-
-    @property
-    def plan(self) -> Plan:
-        """The plan of the most recent run, with the budget in bytes it ran under."""
-        if self.last is None:
-            raise KarmaError("this region has not run in training mode yet: nothing was planned")
-        plan = self.last.plan
-        if not self.budget_bytes or plan.budget_bytes == self.budget_bytes:
-            return plan
-        # The budget is the whole step's; the peaks are this region's own problem's: say so beside them.
-        return plan.replace(budget_bytes=self.budget_bytes, notes=plan.notes + (
-            "budget: the whole step's; peak and unplanned peak: this region's own (its weights, inputs and what "
-            "it makes); the step's is KarmaModule.predicted_peak_bytes",))
-
-    @property
-    def graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
-        assert self.last is not None and self.last.graphs is not None
-        return self.last.graphs
-
-    @property
-    def held_bytes(self) -> int:
-        """What the most recent run kept on the device for its backward, beyond its parameters."""
-        assert self.last is not None
-        return self.last.fp.held_bytes
-
-    @property
-    def min_budget_bytes(self) -> int:
-        """The leanest plan's peak of this region alone, as its problem counts it."""
-        if self.leanest is not None:
-            return self.leanest.fp.peak_bytes
-        from karma_fx.strategies.leanest import leanest_peak
-
-        p = self.prepared
-        return leanest_peak(p.problem, p.costs, stream_weights=self.offload_weights)
-
-    @property
-    def scratch_unmeasured(self) -> bool:
-        """Planned under someone's profiler, without the scratch of its kernels (see ``karma_fx.pricing``)."""
-        pricing = getattr(self.prepared, "pricing", None)
-        return pricing is not None and pricing.memory != "measured"
 
 
 @dataclass
@@ -174,16 +96,10 @@ class Session:
         self._grads_counted: set[int] = set()
         self._saw_backward = False
         self._started = False
-        self._gaps: dict[tuple[int, ...], int] = {}
-        """Per sequence of runs so far: what the code after its last run allocated (measured: ``GapMeter``)."""
-        self._gap_meter: Any = None
-        self._kept: dict[tuple[int, ...], frozenset[int]] = {}
-        """Per sequence of runs: which outputs of its last run the caller still held when the backward began."""
-        self._outputs: list[tuple[int, Any]] = []
+        self._between = Between()
         self._unplanned_bytes = 0
         self._firm_unplanned = 0
         self._guessed_unplanned = 0
-        self._remeasured = False
         self._device_baseline = 0
         self._pending_view: Run | None = None
 
@@ -193,8 +109,8 @@ class Session:
         """A new training step starts: the front door calls this with the model's parameters and buffers it
         has already walked, ``outside`` any compiled region (where the code between the runs can be measured:
         ``GapMeter``); the raw backend when a run follows a backward."""
-        self._finish_gap()
-        measure = outside and bool(self._calls) and self._gaps_unknown(self._calls)
+        self._between.finish()
+        measure = outside and bool(self._calls) and self._between.unknown(self._signature())
         if self._calls:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
@@ -213,12 +129,12 @@ class Session:
         for p in list(self._params.values()):  # what earlier steps' runs read: their gradients may be held now
             self._add_weight(p)
         self._device_baseline = _allocated_on(self._params.values())
-        self._previous_fit = not self._remeasured and self._previous is not None and \
+        self._previous_fit = not self._between.remeasured and self._previous is not None and \
             self.budget_bytes is not None and \
             self._sequence_peak([c.view for c in self._previous], self._previous) <= self.budget_bytes
-        self._remeasured = False
-        if measure:
-            self._start_gap()
+        self._between.remeasured = False
+        if measure and self._may_measure_gaps():
+            self._between.start(self._signature)
 
     def _add_weight(self, t: torch.Tensor) -> None:
         if self.config.offload_weights and isinstance(t, nn.Parameter):
@@ -243,8 +159,7 @@ class Session:
             ) -> Any:
         if self._saw_backward or not self._started:
             self.begin_step()
-        if self._gap_meter is not None and self._calls:
-            self._gap_meter.end(len(self._calls) - 1)  # the code after the previous run ends here
+        self._between.run_starts(len(self._calls))
         if region.prepared is not None and region.scratch_unmeasured and not _profiling():
             self._forget(region)  # planned under a profiler: measure its scratch and plan it again now
         if region.prepared is None:
@@ -267,19 +182,13 @@ class Session:
         if self.pipeline is not None and variant.grad_params:
             self.pipeline.expect([args[i] for i in variant.grad_params])
         k = len(self._calls) - 1
-        learning = self._signature() not in self._kept  # which outputs will the caller keep?
+        learning = self._between.caller_keeps(self._signature()) is None
         out = variant.fn(*args)
-        if self._gap_meter is not None:
-            self._gap_meter.begin(k)
-        self._outputs = []
+        self._between.run_returned(k, out, learning)
         for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
                 self._made.setdefault(s.data_ptr(), (("out", k, o), s.nbytes()))
-                if learning:
-                    from torch.multiprocessing.reductions import StorageWeakRef
-
-                    self._outputs.append((o, StorageWeakRef(s)))
         return out
 
     def ran_training_region(self) -> bool:
@@ -289,10 +198,7 @@ class Session:
         """A backward of this step's runs begins: the code after the last forward (the loss head) ends here.
         Its measurement ends with a mark, read when the next step begins (``GapMeter``)."""
         if not self._saw_backward:
-            if self._gap_meter is not None and self._calls:
-                self._gap_meter.end(len(self._calls) - 1)
-            if self._calls and self._outputs:  # learning: which outputs did the caller keep?
-                self._kept[self._signature()] = frozenset(o for o, ref in self._outputs if not ref.expired())
+            self._between.backward_began(self._signature())
         self._saw_backward = True
 
     def decide(self, region: Region, args: list[Any], prepared: Any) -> Variant:
@@ -308,55 +214,16 @@ class Session:
     def _signature(self, calls: list[_Call] | None = None) -> tuple[int, ...]:
         return tuple(c.region.index for c in (self._calls if calls is None else calls))
 
-    def _gaps_unknown(self, calls: list[_Call]) -> bool:
-        """Whether the code after some run of ``calls`` is still to be measured."""
-        signature = self._signature(calls)
-        return any(signature[:k + 1] not in self._gaps for k in range(len(signature)))
-
-    def _start_gap(self) -> None:
-        """Measure the code between this step's compiled calls (``GapMeter``), keyed by the sequence of runs
-        up to each (the step's own, read when the meter stops)."""
-        from karma_fx.measure_run import GapMeter
+    def _may_measure_gaps(self) -> bool:
+        """Only where no thread of ours runs beside the step (the gradient pipeline, threaded copies) and not
+        on a GPU (see ``Between.start``)."""
         from karma_fx.runtime import cpu_copies_are_synchronous
 
-        # Only where no thread of ours runs beside the step: a profiler session that worker threads (the
-        # gradient pipeline, threaded copies) allocate under crashed the process when it stopped; and not on a
-        # GPU, whose backward runs on the autograd engine's own thread. There the code between the runs stays a
-        # guess (``_loss_head_guess``).
-        if (self.pipeline is not None or not cpu_copies_are_synchronous()
-                or any(t.is_cuda for t in self._params.values())):
-            return
-        device = "cpu"
-
-        def learn(gaps: dict[int, int]) -> None:
-            ran = self._signature(self._calls)
-            for k, nbytes in gaps.items():
-                if k < len(ran):
-                    key = ran[:k + 1]
-                    self._gaps[key] = max(self._gaps.get(key, 0), nbytes)
-                    self._remeasured = True  # the next step chooses its plans again, with this in place of a guess
-
-        meter = GapMeter(device, done=learn)
-        if meter.start():
-            if meter.stop_after_backward():
-                self._gap_meter = meter
-            else:  # someone's profile function is in place: leave their session of the step alone
-                meter.stop()
-
-    def _finish_gap(self) -> None:
-        """Stop measuring the code between the runs (the meter hands what it measured to ``learn``)."""
-        meter, self._gap_meter = self._gap_meter, None
-        if meter is not None:
-            meter.stop()
+        return (self.pipeline is None and cpu_copies_are_synchronous()
+                and not any(t.is_cuda for t in self._params.values()))
 
     def _gap_list(self, views: list[Run], signature: tuple[int, ...]) -> list[int]:
-        out = []
-        for k, view in enumerate(views):
-            g = self._gaps.get(signature[:k + 1])
-            if g is None:  # not measured yet: the loss head guessed from the outputs the caller gets
-                g = _loss_head_guess(view) if k == len(views) - 1 else 0
-            out.append(g)
-        return out
+        return self._between.gap_list(views, signature)
 
     # ---- accounting -------------------------------------------------------------------------------------
     def _view(self, region: Region, fp: Footprint, args: list[Any]) -> Run:
@@ -388,7 +255,7 @@ class Session:
         makes = tuple((("out", k, o), b, saved) for o, (b, saved) in enumerate(fp.outputs))
         if self.config.offload_weights:
             new_grads = 0
-        kept = self._kept.get(self._signature() + (region.index,))
+        kept = self._between.caller_keeps(self._signature() + (region.index,))
         return Run(fp=fp, own_bytes=sum(own.values()), reads=tuple(reads), makes=makes, new_grad_bytes=new_grads,
                    region=region.index, caller_keeps=kept)
 
@@ -461,7 +328,7 @@ class Session:
             target -= over
         if peak(lean.fp) <= budget and self.config.strategy == DEFAULT_STRATEGY:
             return lean  # the default strategy's floor: what every "smallest budget known to work" refers to
-        return self._no_room(region, later, sequence, signature_calls)
+        return self._no_room(region, later, signature_calls)
 
     def _worth_planning(self, region: Region, target: int) -> bool:
         """Only the leanest plan fits: plan at ``target`` unless a plan was already made at about that much."""
@@ -485,7 +352,7 @@ class Session:
         may come down once, never below the largest step measured."""
         whole = self._sequence_peak(unplanned, calls)
         signature = tuple(c.region.index for c in calls)
-        if all(signature[:k + 1] in self._gaps for k in range(len(signature))):
+        if not self._between.unknown(signature):
             self._firm_unplanned = max(self._firm_unplanned, whole)
         self._guessed_unplanned = max(self._guessed_unplanned, whole)
         self._unplanned_bytes = max(self._firm_unplanned or self._guessed_unplanned, whole)
@@ -498,7 +365,7 @@ class Session:
                          format_bytes(resolved), format_bytes(self._unplanned_bytes))
             self.budget_bytes = resolved
 
-    def _no_room(self, region: Region, later: list[_Call] | None, sequence: Callable, calls: list[_Call]) -> Variant:
+    def _no_room(self, region: Region, later: list[_Call] | None, calls: list[_Call]) -> Variant:
         assert self.budget_bytes is not None
         lean = self._leanest(region)
         learning = later is None and (bool(self._calls) or self.config.budget.fraction is not None)
@@ -513,87 +380,12 @@ class Session:
         leanest = [replace(c.view, fp=self._leanest(c.region).fp) for c in self._calls]
         rest = [replace(c.view, fp=self._leanest(c.region).fp) for c in later or []]
         views = leanest + [replace(self._pending_view, fp=lean.fp)] + rest
-        needed = self._total_that_works(views, calls)
-        unplanned = self._unplanned_bytes
-        partial = later is None and not self._calls  # the step's first run: what follows is not known yet
-        raise InfeasibleBudgetError(
-            f"strategy {_name(self.config.strategy)!r} cannot fit the training step in "
-            f"{format_bytes(self.budget_bytes)}"
-            + (f" (its {len(views)} compiled region runs share the budget)" if len(views) > 1 else "")
-            + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: every saved "
-              f"activation swapped out and back just in time), which the default strategy {DEFAULT_STRATEGY!r} "
-              f"reaches; with nothing moved the step peaks at {format_bytes(unplanned)}"
-            + self._where_the_floor_is(views, calls)
-            + self._what_is_held(views, calls)
-            + (". That total is for the step's first compiled region: if graph breaks split the model, the regions "
-               "after it need room too, and a step that runs to its end names the total for all of them"
-               if partial else ""),
-            min_budget_bytes=needed, budget_bytes=self.budget_bytes)
-
-    def _total_that_works(self, views: list[Run], calls: list[_Call]) -> int:
-        """The budget to name: the step with these plans as this session now knows it, and as a fresh compile's
-        first steps will see it (before it learns which outputs the caller lets go and what the code after the
-        forward allocates, it assumes all kept and guesses), whichever is more, since whoever is told a total
-        starts again from scratch with it; and 0.1% (1 KiB at least) for the few bytes no plan sees (the loss's
-        scalars, the backward's seed)."""
-        signature = tuple(c.region.index for c in calls)
-        base = self._persistent_bytes()
-        known = Step(base, tuple(views), tuple(self._gap_list(views, signature))).peak_bytes
-        fresh_views = tuple(replace(v, caller_keeps=None) for v in views)
-        guessed = [max(g, _loss_head_guess(v) if k == len(views) - 1 else 0)
-                   for k, (g, v) in enumerate(zip(self._gap_list(views, signature), views))]
-        fresh = Step(base, fresh_views, tuple(guessed)).peak_bytes
-        needed = max(known, fresh)
-        return needed + max(1024, needed // 1000)
-
-    def _where_the_floor_is(self, views: list[Run], calls: list[_Call]) -> str:
-        """Where the step with every run at its leanest plan peaks: the phase, and the op there (by module)."""
-        signature = tuple(c.region.index for c in calls)
-        step = Step(self._persistent_bytes(), tuple(views), tuple(self._gap_list(views, signature)))
-        phase = step.peak
-        if phase.stage == "after":
-            return (f"; that floor is reached after the forward of run {phase.run + 1}, in the code that runs "
-                    f"between compiled regions (the loss head after the last one)")
-        region = calls[phase.run].region
-        from karma_fx.problem import describe_op
-        from karma_fx.simulate import simulate
-
-        p = region.prepared
-        timeline = simulate(p.problem, self._leanest(region).plan, p.costs)
-        items = [iv for iv in timeline.compute if iv.kind in ("op", "recompute")]
-        span = range(timeline.forward_items) if phase.stage == "forward" else \
-            range(timeline.forward_items, len(timeline.memory))
-        if not span or len(items) != len(timeline.memory):
-            return ""
-        k = max(span, key=lambda i: timeline.memory[i][1])
-        name = items[k].label
-        where = describe_op(p.problem.ops[p.problem.op_index(name)]) if name in {o.name for o in p.problem.ops} \
-            else name
-        run = f"run {phase.run + 1}'s (region {region.index})" if len(calls) > 1 else "the"
-        return f"; that floor is reached in {run} {phase.stage}, at {where}"
-
-    def _what_is_held(self, views: list[Run], calls: list[_Call]) -> str:
-        """The parts of the step no plan can move: gradients held from an earlier micro-batch, tensors pinned by
-        graph breaks (where each break is, and how much it pins)."""
-        notes = []
-        grads = self._held_grad_bytes()
-        if grads:
-            notes.append(f"{format_bytes(grads)} of it are gradients held from an earlier backward (accumulating: "
-                         f"they count; otherwise call optimizer.zero_grad(set_to_none=True) before the step)")
-        pinned = pinned_by_breaks(views)
-        if any(pinned):
-            at: dict[str, list[int]] = {}
-            for k, b in enumerate(pinned):
-                if b > 0:
-                    before = calls[k - 1].region
-                    where = before.ends_at or f"where region {before.index} returns"
-                    at.setdefault(where, []).append(b)
-            parts = [f"{format_bytes(sum(bs))} at {where}" + (f" ({len(bs)} runs)" if len(bs) > 1 else "")
-                     for where, bs in sorted(at.items(), key=lambda e: -sum(e[1]))]
-            notes.append(f"graph breaks pin {format_bytes(sum(pinned))} that the backward reads across them, which "
-                         f"no plan can move: " + "; ".join(parts[:4]) + (f"; {len(parts) - 4} more" if len(parts) > 4
-                                                                          else ""))
-        return "".join(f". {n}" for n in notes)
+        regions = [c.region for c in calls]
+        raise refusal(strategy=_name(self.config.strategy), budget_bytes=self.budget_bytes, views=views,
+                      regions=regions, base=self._persistent_bytes(),
+                      gaps=self._gap_list(views, tuple(r.index for r in regions)), leanest=self._leanest,
+                      unplanned=self._unplanned_bytes, held_grad_bytes=self._held_grad_bytes(),
+                      partial=later is None and not self._calls)
 
     def _held_grad_bytes(self) -> int:
         return sum(p.grad.untyped_storage().nbytes() for p in list(self._params.values()) if p.grad is not None)
@@ -616,73 +408,19 @@ class Session:
         """The plan that moves nothing. The default strategy runs it wherever it fits (it would plan nothing
         else); a strategy asked for by name plans every step itself, as asked."""
         if region.keep is None:
-            name = self.config.strategy if isinstance(self.config.strategy, str) else "keep"
-            region.keep = self._variant(region, Plan(name, 0, status="KEEP",
-                                                     notes=("nothing moved: the step as compiled",)))
+            region.keep = keep_variant(region, self.config, self.budget_bytes)
             if self.config.strategy in (DEFAULT_STRATEGY, "keep"):
                 region.variants.append(region.keep)
         return region.keep
 
     def _leanest(self, region: Region) -> Variant:
         if region.leanest is None:
-            from karma_fx.strategies.leanest import leanest_decisions
-
-            p = region.prepared
-            decisions = leanest_decisions(p.problem, p.costs, stream_weights=self.config.offload_weights)
-            name = self.config.strategy if isinstance(self.config.strategy, str) else "leanest"
-            region.leanest = self._variant(region, Plan(name, 0, decisions=decisions, status="FALLBACK:leanest",
-                                                        notes=("the leanest plan: every saved activation swapped "
-                                                               "out and back just in time",)))
+            region.leanest = leanest_variant(region, self.config, self.budget_bytes)
             region.variants.append(region.leanest)
         return region.leanest
 
-    def _variant(self, region: Region, raw: Plan) -> Variant:
-        p = region.prepared
-        plan, timeline = p.judge(raw)
-        if not plan.budget_bytes:  # a plan made for no budget in particular: the one in force
-            plan = plan.replace(budget_bytes=self.budget_bytes or plan.peak_bytes or 0)
-        return Variant(plan=plan, fp=footprint(p.problem, timeline, plan, offload_weights=self.config.offload_weights,
-                                               boundary=region.boundary))
-
     def _plan(self, region: Region, target: int) -> Variant:
-        """Plan the region at ``target`` bytes, or reuse the plan cached for exactly that (``plan_cache``)."""
-        from karma_fx.errors import InvalidPlanError
-        from karma_fx.plan_cache import PlanCache, problem_key
-
-        p = region.prepared
-        cache = key = None
-        if self.config.plan_cache is not None:
-            cache = PlanCache(self.config.plan_cache)
-            key = problem_key(p.problem, self.config.device, _name(self.config.strategy), target,
-                              self.config.offload_weights)
-            cached = cache.get(key)
-            if cached is not None:
-                try:
-                    return self._variant(region, cached)
-                except InvalidPlanError as exc:
-                    log.warning("karma_fx: the cached plan does not fit this graph (%s); planning again", exc)
-        from karma_fx.progress import planning
-
-        with planning(f"region {region.index} ({len(p.problem.ops)} ops)"):
-            planned = p.plan(Budget(size_bytes=target), self.config.strategy, raise_if_infeasible=False,
-                             offload_weights=self.config.offload_weights, time_limit_s=self.config.time_limit_s)
-        log.info("karma_fx: region %d planned at %s: %s, %s, peak %s", region.index, format_bytes(target),
-                 planned.plan.strategy, planned.plan.status, format_bytes(planned.plan.peak_bytes))
-        if cache is not None and key is not None:
-            cache.put(key, planned.plan)
-        plan = planned.plan.replace(budget_bytes=self.budget_bytes or target)
-        return Variant(plan=plan, fp=footprint(p.problem, planned.timeline, plan,
-                                               offload_weights=self.config.offload_weights, boundary=region.boundary))
-
-
-def _loss_head_guess(view: Run) -> int:
-    """What the code after the step's last forward may allocate, before it is measured: nothing where the model
-    returns a scalar (it computed its loss itself, as a HF model given labels does), else ``LOSS_HEAD_GUESS``
-    times the outputs it returns (a loss over them)."""
-    outputs = [b for _, b, saved in view.makes if not saved]
-    if any(b <= 8 for _, b, _ in view.makes):
-        return 0
-    return LOSS_HEAD_GUESS * sum(outputs)
+        return planned_variant(region, self.config, target, self.budget_bytes)
 
 
 def _allocated_on(tensors: Any) -> int:
@@ -699,25 +437,3 @@ def _profiling() -> bool:
 
 def _name(strategy: Any) -> str:
     return strategy if isinstance(strategy, str) else getattr(strategy, "name", type(strategy).__name__)
-
-
-def boundary_of(step: Any, problem: Any, kinds: tuple[str, ...] = ()) -> Boundary:
-    """The storages a region's problem has at its edges: per primal, per forward output the run returns (the
-    joint graph's forward outputs start with the new values of the inputs it updates in place, which AOTAutograd
-    writes back instead of returning), and its parameters' gradients."""
-    output = next(n for n in step.joint.graph.nodes if n.op == "output")
-    storage_of = dict(problem.aliases)
-    outs = list(output.args[0])
-    primals = [n for n in step.joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-
-    def storage(node: Any) -> str | None:
-        if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
-            return None
-        return storage_of.get(node.name, node.name)
-
-    mutated = sum(1 for k in kinds if k == "buffer")
-    grads = [outs[step.num_fwd_outputs + i] for i, k in enumerate(step.primal_kinds)
-             if k == "param" and step.num_fwd_outputs + i < len(outs)]
-    return Boundary(inputs=tuple(storage(p) for p in primals),
-                    outputs=tuple(storage(n) for n in outs[mutated:step.num_fwd_outputs]),
-                    param_grads=frozenset(s for s in map(storage, grads) if s is not None))

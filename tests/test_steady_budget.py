@@ -253,7 +253,7 @@ def test_the_loss_head_is_measured_once_and_counted():
         model.zero_grad(set_to_none=True)
         F.cross_entropy(step(ids).flatten(0, 1), ids.flatten()).backward()
     logits = 8 * 64 * 512 * 4
-    (gap,) = step._session._gaps.values()
+    (gap,) = step._session._between.gaps.values()
     assert 1.9 * logits <= gap <= 2.2 * logits, gap
     model.zero_grad(set_to_none=True)
     with AllocatorPeak(model.parameters(), ids) as meter:

@@ -1,0 +1,124 @@
+"""The code between a step's compiled runs, which no plan sees but the budget must count.
+
+Two things about it are learnt once per sequence of runs (a sequence is the regions the step ran, in order:
+``signature``):
+
+* **what it allocates** (``gaps``): the eager code at a graph break, after run ``k`` until run ``k + 1``, and the
+  loss head after the last run until the backward begins (``F.cross_entropy(step(x), y)``: the log-softmax of the
+  logits and its gradient). Measured by a ``karma_fx.measure_run.GapMeter`` over one whole step, started where the
+  front door begins a step (outside every compiled region) and stopped when that step's backward call returns;
+  guessed until then (``loss_head_guess``), and wherever it cannot be measured: under the raw backend (no step
+  boundary outside the regions), with worker threads of ours beside the step, on a GPU.
+* **which outputs of the last run the caller keeps** into the backward (``kept``): HF models return their logits
+  beside the loss, and a loop that only backpropagates the loss lets them go before the backward. Watched with
+  storage weak references, which cost nothing and work everywhere.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from karma_fx.regions import Run
+
+LOSS_HEAD_GUESS = 2
+"""Until the code after the last forward has been measured, it is taken to climb by this many times the
+bytes of the outputs the caller gets (a cross-entropy over logits: their log-softmax and its gradient, the
+logits freed meanwhile: measured 2.0x on a CPU)."""
+
+Signature = tuple[int, ...]
+
+
+def loss_head_guess(view: Run) -> int:
+    """What the code after the step's last forward may allocate, before it is measured: nothing where the model
+    returns a scalar (it computed its loss itself, as a HF model given labels does), else ``LOSS_HEAD_GUESS``
+    times the outputs it returns (a loss over them)."""
+    if any(b <= 8 for _, b, _ in view.makes):
+        return 0
+    return LOSS_HEAD_GUESS * sum(b for _, b, saved in view.makes if not saved)
+
+
+class Between:
+    """What is known, and being learnt, about the code between one session's runs."""
+
+    def __init__(self) -> None:
+        self.gaps: dict[Signature, int] = {}
+        """Per sequence of runs so far: what the code after its last run allocated (measured)."""
+        self.kept: dict[Signature, frozenset[int]] = {}
+        """Per sequence of runs: which outputs of its last run the caller still held when the backward began."""
+        self.remeasured = False
+        """Something was measured since the session last chose its plans: choose again, with it."""
+        self._meter: Any = None
+        self._outputs: list[tuple[int, Any]] = []
+
+    def unknown(self, signature: Signature) -> bool:
+        """Whether the code after some run of ``signature`` is still to be measured."""
+        return any(signature[:k + 1] not in self.gaps for k in range(len(signature)))
+
+    def gap_list(self, views: list[Run], signature: Signature) -> list[int]:
+        """Per run of ``views`` (the sequence ``signature``): the bytes the code after it allocates, measured or
+        guessed."""
+        out = []
+        for k, view in enumerate(views):
+            g = self.gaps.get(signature[:k + 1])
+            if g is None:
+                g = loss_head_guess(view) if k == len(views) - 1 else 0
+            out.append(g)
+        return out
+
+    def caller_keeps(self, signature: Signature) -> frozenset[int] | None:
+        return self.kept.get(signature)
+
+    # ---- measuring ----------------------------------------------------------------------------------------
+    def start(self, ran: Callable[[], Signature]) -> None:
+        """Measure the code between the compiled calls of the step about to begin. Call it only outside every
+        compiled region, and only where no worker thread of ours runs beside the step (a profiler session that
+        such threads allocate under crashed the process when it stopped) and not on a GPU (its backward runs on
+        the autograd engine's thread). ``ran`` says which sequence the step ran, when the meter stops."""
+        from karma_fx.measure_run import GapMeter
+
+        def learn(gaps: dict[int, int]) -> None:
+            signature = ran()
+            for k, nbytes in gaps.items():
+                if k < len(signature):
+                    key = signature[:k + 1]
+                    self.gaps[key] = max(self.gaps.get(key, 0), nbytes)
+                    self.remeasured = True
+
+        meter = GapMeter("cpu", done=learn)
+        if meter.start():
+            if meter.stop_after_backward():
+                self._meter = meter
+            else:  # someone's profile function is in place: leave their session of the step alone
+                meter.stop()
+
+    def finish(self) -> None:
+        """Stop measuring (the meter hands what it measured to ``learn``)."""
+        meter, self._meter = self._meter, None
+        if meter is not None:
+            meter.stop()
+
+    def run_starts(self, k: int) -> None:
+        """Run ``k`` begins: the code after run ``k - 1`` ends here."""
+        if self._meter is not None and k > 0:
+            self._meter.end(k - 1)
+
+    def run_returned(self, k: int, out: Any, learning: bool) -> None:
+        """Run ``k`` has returned ``out``: the code after it begins; where ``learning``, watch its outputs."""
+        if self._meter is not None:
+            self._meter.begin(k)
+        self._outputs = []
+        if learning:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    self._outputs.append((o, StorageWeakRef(t.untyped_storage())))
+
+    def backward_began(self, signature: Signature) -> None:
+        """The step's backward begins after its run ``len(signature) - 1``: the loss head ends here, and which
+        of that run's outputs the caller still holds is known."""
+        if self._meter is not None and signature:
+            self._meter.end(len(signature) - 1)
+        if signature and self._outputs:
+            self.kept[signature] = frozenset(o for o, ref in self._outputs if not ref.expired())

@@ -1,0 +1,187 @@
+"""A compiled region and the plans (variants) its runs used: what ``karma_fx.backend`` compiles and
+``karma_fx.session`` chooses between.
+
+A ``Region`` is one Dynamo graph: its planning problem (``prepared``), where in the user's code it ends when a
+graph break ends it, and the ``Variant`` of each plan one of its runs needed, compiled on first use.
+``boundary_of`` reads which storages of its problem are its inputs and outputs, by position, so that
+``karma_fx.regions`` can tell the tensors it shares with the runs before and after it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from karma_fx.budget import Budget, format_bytes
+from karma_fx.config import KarmaConfig
+from karma_fx.errors import KarmaError
+from karma_fx.plan import Plan
+from karma_fx.regions import Boundary, Footprint, footprint
+
+log = logging.getLogger("karma_fx.session")
+
+
+@dataclass
+class Variant:
+    """One plan of a region, compiled: what Dynamo's cached code calls for the runs that use this plan."""
+
+    plan: Plan
+    fp: Footprint
+    fn: Any = None
+    graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
+    grad_params: tuple[int, ...] = ()
+    """Primal positions of the parameters whose gradients this variant hands to the gradient pipeline."""
+
+
+@dataclass(eq=False)
+class Region:
+    """One compiled region (one Dynamo graph): its planning problem and the variants its runs used."""
+
+    index: int
+    gm: fx.GraphModule = field(repr=False)
+    kinds: tuple[str, ...]
+    names: tuple[str, ...]
+    prepared: Any = field(default=None, repr=False)
+    variants: list[Variant] = field(default_factory=list)
+    leanest: Variant | None = None
+    keep: Variant | None = None
+    inference_fn: Any = None
+    last: Variant | None = None
+    offload_weights: bool = False
+    boundary: Boundary = field(default_factory=Boundary)
+    ends_at: str = ""
+    """Where the region stops in the user's code when a graph break ends it (``file:line``, Dynamo's reason)."""
+    budget_bytes: int = 0
+    """The session's budget in bytes when this region last ran (a fraction grows with the step)."""
+    planned_at: list[int] = field(default_factory=list)
+    """The targets this region was planned at (a region is not planned twice at about the same target)."""
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the most recent run, with the budget in bytes it ran under."""
+        if self.last is None:
+            raise KarmaError("this region has not run in training mode yet: nothing was planned")
+        plan = self.last.plan
+        if not self.budget_bytes or plan.budget_bytes == self.budget_bytes:
+            return plan
+        # The budget is the whole step's; the peaks are this region's own problem's: say so beside them.
+        return plan.replace(budget_bytes=self.budget_bytes, notes=plan.notes + (
+            "budget: the whole step's; peak and unplanned peak: this region's own (its weights, inputs and what "
+            "it makes); the step's is KarmaModule.predicted_peak_bytes",))
+
+    @property
+    def graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        assert self.last is not None and self.last.graphs is not None
+        return self.last.graphs
+
+    @property
+    def held_bytes(self) -> int:
+        """What the most recent run kept on the device for its backward, beyond its parameters."""
+        assert self.last is not None
+        return self.last.fp.held_bytes
+
+    @property
+    def min_budget_bytes(self) -> int:
+        """The leanest plan's peak of this region alone, as its problem counts it."""
+        if self.leanest is not None:
+            return self.leanest.fp.peak_bytes
+        from karma_fx.strategies.leanest import leanest_peak
+
+        p = self.prepared
+        return leanest_peak(p.problem, p.costs, stream_weights=self.offload_weights)
+
+    @property
+    def scratch_unmeasured(self) -> bool:
+        """Planned under someone's profiler, without the scratch of its kernels (see ``karma_fx.pricing``)."""
+        pricing = getattr(self.prepared, "pricing", None)
+        return pricing is not None and pricing.memory != "measured"
+
+
+def boundary_of(step: Any, problem: Any, kinds: tuple[str, ...] = ()) -> Boundary:
+    """The storages a region's problem has at its edges: per primal, per forward output the run returns (the
+    joint graph's forward outputs start with the new values of the inputs it updates in place, which AOTAutograd
+    writes back instead of returning), and its parameters' gradients."""
+    output = next(n for n in step.joint.graph.nodes if n.op == "output")
+    storage_of = dict(problem.aliases)
+    outs = list(output.args[0])
+    primals = [n for n in step.joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+
+    def storage(node: Any) -> str | None:
+        if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            return None
+        return storage_of.get(node.name, node.name)
+
+    mutated = sum(1 for k in kinds if k == "buffer")
+    grads = [outs[step.num_fwd_outputs + i] for i, k in enumerate(step.primal_kinds)
+             if k == "param" and step.num_fwd_outputs + i < len(outs)]
+    return Boundary(inputs=tuple(storage(p) for p in primals),
+                    outputs=tuple(storage(n) for n in outs[mutated:step.num_fwd_outputs]),
+                    param_grads=frozenset(s for s in map(storage, grads) if s is not None))
+
+
+# ---- making variants ----------------------------------------------------------------------------------------
+def _strategy_name(config: KarmaConfig, otherwise: str) -> str:
+    s = config.strategy
+    return s if isinstance(s, str) else getattr(s, "name", otherwise)
+
+
+def judged(region: Region, raw: Plan, config: KarmaConfig, budget_bytes: int | None) -> Variant:
+    """``raw`` replayed on the region's problem (``Prepared.judge``), with its footprint."""
+    p = region.prepared
+    plan, timeline = p.judge(raw)
+    if not plan.budget_bytes:  # a plan made for no budget in particular: the one in force
+        plan = plan.replace(budget_bytes=budget_bytes or plan.peak_bytes or 0)
+    return Variant(plan=plan, fp=footprint(p.problem, timeline, plan, offload_weights=config.offload_weights,
+                                           boundary=region.boundary))
+
+
+def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) -> Variant:
+    """The plan that moves nothing."""
+    return judged(region, Plan(_strategy_name(config, "keep"), 0, status="KEEP",
+                               notes=("nothing moved: the step as compiled",)), config, budget_bytes)
+
+
+def leanest_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) -> Variant:
+    """The leanest plan known (``karma_fx.strategies.leanest``): the floor every refusal names."""
+    from karma_fx.strategies.leanest import leanest_decisions
+
+    p = region.prepared
+    decisions = leanest_decisions(p.problem, p.costs, stream_weights=config.offload_weights)
+    return judged(region, Plan(_strategy_name(config, "leanest"), 0, decisions=decisions,
+                               status="FALLBACK:leanest",
+                               notes=("the leanest plan: every saved activation swapped out and back just in time",)),
+                  config, budget_bytes)
+
+
+def planned_variant(region: Region, config: KarmaConfig, target: int, budget_bytes: int | None) -> Variant:
+    """The region planned at ``target`` bytes by the configured strategy, or the plan cached for exactly that
+    (``plan_cache``)."""
+    from karma_fx.errors import InvalidPlanError
+    from karma_fx.plan_cache import PlanCache, problem_key
+    from karma_fx.progress import planning
+
+    p = region.prepared
+    cache = key = None
+    if config.plan_cache is not None:
+        cache = PlanCache(config.plan_cache)
+        key = problem_key(p.problem, config.device, _strategy_name(config, type(config.strategy).__name__),
+                          target, config.offload_weights)
+        cached = cache.get(key)
+        if cached is not None:
+            try:
+                return judged(region, cached, config, budget_bytes)
+            except InvalidPlanError as exc:
+                log.warning("karma_fx: the cached plan does not fit this graph (%s); planning again", exc)
+    with planning(f"region {region.index} ({len(p.problem.ops)} ops)"):
+        planned = p.plan(Budget(size_bytes=target), config.strategy, raise_if_infeasible=False,
+                         offload_weights=config.offload_weights, time_limit_s=config.time_limit_s)
+    log.info("karma_fx: region %d planned at %s: %s, %s, peak %s", region.index, format_bytes(target),
+             planned.plan.strategy, planned.plan.status, format_bytes(planned.plan.peak_bytes))
+    if cache is not None and key is not None:
+        cache.put(key, planned.plan)
+    plan = planned.plan.replace(budget_bytes=budget_bytes or target)
+    return Variant(plan=plan, fp=footprint(p.problem, planned.timeline, plan, offload_weights=config.offload_weights,
+                                           boundary=region.boundary))
