@@ -90,6 +90,8 @@ class Session:
         """Storage pointer -> (identity, bytes) of what this step's runs returned."""
         self._weights: dict[int, int] = {}
         """Storage pointer -> bytes of the weights, buffers and gradients held, this step and before."""
+        self._storage_of: dict[int, tuple[Any, int, int]] = {}
+        """id of a weight -> (a weak reference to it, its storage pointer, bytes)."""
         self._params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._batch: dict[int, int] = {}
         self._previous_batch = 0
@@ -102,6 +104,7 @@ class Session:
         self._guessed_unplanned = 0
         self._device_baseline = 0
         self._pending_view: Run | None = None
+        self._previous_peak_cache: tuple[Any, int] | None = None
 
     # ---- steps ------------------------------------------------------------------------------------------
     def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None,
@@ -122,16 +125,15 @@ class Session:
         self._weights = {}
         if tensors is None:
             model = self._model() if self._model is not None else None
-            tensors = parameters_and_buffers(model) if model is not None else ([], [])
+            # without the model (the raw backend): the weights earlier steps' runs read, whose gradients may be
+            # held now
+            tensors = parameters_and_buffers(model) if model is not None else (list(self._params.values()), [])
         for group in tensors:
             for t in group:
                 self._add_weight(t)
-        for p in list(self._params.values()):  # what earlier steps' runs read: their gradients may be held now
-            self._add_weight(p)
         self._device_baseline = _allocated_on(self._params.values())
         self._previous_fit = not self._between.remeasured and self._previous is not None and \
-            self.budget_bytes is not None and \
-            self._sequence_peak([c.view for c in self._previous], self._previous) <= self.budget_bytes
+            self.budget_bytes is not None and self._previous_peak() <= self.budget_bytes
         self._between.remeasured = False
         if measure and self._may_measure_gaps():
             self._between.start(self._signature)
@@ -139,13 +141,29 @@ class Session:
     def _add_weight(self, t: torch.Tensor) -> None:
         if self.config.offload_weights and isinstance(t, nn.Parameter):
             return
-        s = t.untyped_storage()
-        self._weights[s.data_ptr()] = s.nbytes()
+        # A weight keeps its storage from step to step: read it once (every step walks every weight, and two
+        # storage lookups a weight were a tenth of a millisecond a step on a 56-weight model).
+        known = self._storage_of.get(id(t))
+        if known is None or known[0]() is not t:
+            s = t.untyped_storage()
+            known = self._storage_of[id(t)] = (weakref.ref(t), s.data_ptr(), s.nbytes())
+        self._weights[known[1]] = known[2]
         if isinstance(t, nn.Parameter):
             self._params[id(t)] = t
-            if t.grad is not None:
-                g = t.grad.untyped_storage()
+            grad = t.grad
+            if grad is not None:
+                g = grad.untyped_storage()
                 self._weights[g.data_ptr()] = g.nbytes()
+
+    def _previous_peak(self) -> int:
+        """The previous step's peak if this one repeats it, as the ledger counts it now (cached while what it
+        depends on stays: the same runs and variants, the same persistent bytes)."""
+        assert self._previous is not None
+        key = (tuple(id(c.variant) for c in self._previous), self._persistent_bytes())
+        if self._previous_peak_cache is None or self._previous_peak_cache[0] != key:
+            peak = self._sequence_peak([c.view for c in self._previous], self._previous)
+            self._previous_peak_cache = (key, peak)
+        return self._previous_peak_cache[1]
 
     def _persistent_bytes(self) -> int:
         """Weights, buffers, gradients held and the batch (at least the previous step's: later runs may read
