@@ -145,15 +145,14 @@ class Session:
         # storage lookups a weight were a tenth of a millisecond a step on a 56-weight model).
         known = self._storage_of.get(id(t))
         if known is None or known[0]() is not t:
-            s = t.untyped_storage()
-            known = self._storage_of[id(t)] = (weakref.ref(t), s.data_ptr(), s.nbytes())
+            known = self._storage_of[id(t)] = (weakref.ref(t), *storage_of(t))
         self._weights[known[1]] = known[2]
         if isinstance(t, nn.Parameter):
             self._params[id(t)] = t
             grad = t.grad
             if grad is not None:
-                g = grad.untyped_storage()
-                self._weights[g.data_ptr()] = g.nbytes()
+                pointer, nbytes = storage_of(grad)
+                self._weights[pointer] = nbytes
 
     def _previous_peak(self) -> int:
         """The previous step's peak if this one repeats it, as the ledger counts it now (cached while what it
@@ -205,8 +204,8 @@ class Session:
         self._between.run_returned(k, out, learning)
         for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                self._made.setdefault(s.data_ptr(), (("out", k, o), s.nbytes()))
+                pointer, nbytes = storage_of(t)
+                self._made.setdefault(pointer, (("out", k, o), nbytes))
         return out
 
     def ran_training_region(self) -> bool:
@@ -252,8 +251,7 @@ class Session:
         for i, (t, kind) in enumerate(zip(args, region.kinds)):
             if not isinstance(t, torch.Tensor):
                 continue
-            s = t.untyped_storage()
-            pointer, nbytes = s.data_ptr(), s.nbytes()
+            pointer, nbytes = storage_of(t)
             if kind in ("param", "buffer"):
                 if kind == "param" and self.config.offload_weights:
                     continue
@@ -406,7 +404,7 @@ class Session:
                       partial=later is None and not self._calls)
 
     def _held_grad_bytes(self) -> int:
-        return sum(p.grad.untyped_storage().nbytes() for p in list(self._params.values()) if p.grad is not None)
+        return sum(storage_of(p.grad)[1] for p in list(self._params.values()) if p.grad is not None)
 
     # ---- the step's figures -------------------------------------------------------------------------------
     def step_figures(self) -> tuple[int, int, int]:
@@ -439,6 +437,20 @@ class Session:
 
     def _plan(self, region: Region, target: int) -> Variant:
         return planned_variant(region, self.config, target, self.budget_bytes)
+
+
+def storage_of(t: torch.Tensor) -> tuple[int, int]:
+    """(an identity, bytes) of the device memory ``t`` holds on this process: its storage's address and size; for
+    a distributed tensor (FSDP2 shards parameters into ``DTensor``s) its local shard's, the rank's own; for a
+    tensor subclass without storage of its own, its elements', keyed by the tensor object."""
+    local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
+    if isinstance(local, torch.Tensor):
+        t = local
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage to read
+        return id(t), t.numel() * t.element_size()
 
 
 def _allocated_on(tensors: Any) -> int:
