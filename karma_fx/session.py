@@ -82,6 +82,9 @@ class Session:
         self.regions: list[Region] = []
         self.pipeline = pipeline
         self.warned_eager = False
+        self.compiles = 0
+        """How many times a region of this session compiled: a front door caches its walk of the model until the
+        next one."""
         self._model = weakref.ref(model) if model is not None else None
         self._calls: list[_Call] = []
         self._previous: list[_Call] | None = None
@@ -105,6 +108,8 @@ class Session:
         self._device_baseline = 0
         self._pending_view: Run | None = None
         self._previous_peak_cache: tuple[Any, int] | None = None
+        self._weights_key: Any = None
+        self._weights_base: dict[int, int] = {}
 
     # ---- steps ------------------------------------------------------------------------------------------
     def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None,
@@ -122,23 +127,37 @@ class Session:
         self._grads_counted = set()
         self._saw_backward = False
         self._started = True
-        self._weights = {}
         if tensors is None:
             model = self._model() if self._model is not None else None
             # without the model (the raw backend): the weights earlier steps' runs read, whose gradients may be
             # held now
             tensors = parameters_and_buffers(model) if model is not None else (list(self._params.values()), [])
-        for group in tensors:
-            for t in group:
-                self._add_weight(t)
-        self._device_baseline = _allocated_on(self._params.values())
+        self._weights = dict(self._weights_of(tensors))
+        for p in tensors[0]:  # their gradients, held from an earlier micro-batch or not
+            grad = p.grad
+            if grad is not None:
+                pointer, nbytes = storage_of(grad)
+                self._weights[pointer] = nbytes
+        self._device_baseline = _allocated_on(tensors[0])
         self._previous_fit = not self._between.remeasured and self._previous is not None and \
             self.budget_bytes is not None and self._previous_peak() <= self.budget_bytes
         self._between.remeasured = False
         if measure and self._may_measure_gaps():
             self._between.start(self._signature)
 
-    def _add_weight(self, t: torch.Tensor) -> None:
+    def _weights_of(self, tensors: tuple[list[Any], list[Any]]) -> dict[int, int]:
+        """Storage -> bytes of these weights and buffers: read again only when the lists are not the ones read
+        last (a front door hands the same lists until the model compiles again) or a region compiled since."""
+        key = (id(tensors[0]), id(tensors[1]), len(tensors[0]), len(tensors[1]), self.compiles)
+        if self._weights_key != key:
+            self._weights = {}
+            for group in tensors:
+                for t in group:
+                    self._add_weight(t, grads=False)
+            self._weights_key, self._weights_base = key, dict(self._weights)
+        return self._weights_base
+
+    def _add_weight(self, t: torch.Tensor, grads: bool = True) -> None:
         if self.config.offload_weights and isinstance(t, nn.Parameter):
             return
         # A weight keeps its storage from step to step: read it once (every step walks every weight, and two
@@ -149,7 +168,7 @@ class Session:
         self._weights[known[1]] = known[2]
         if isinstance(t, nn.Parameter):
             self._params[id(t)] = t
-            grad = t.grad
+            grad = t.grad if grads else None
             if grad is not None:
                 pointer, nbytes = storage_of(grad)
                 self._weights[pointer] = nbytes
@@ -180,6 +199,7 @@ class Session:
         if region.prepared is not None and region.scratch_unmeasured and not _profiling():
             self._forget(region)  # planned under a profiler: measure its scratch and plan it again now
         if region.prepared is None:
+            self._compiled_anew()
             variant = compile_variant(region, None, args)  # plans inside the partitioner (``decide``)
             if region.prepared is None:  # an inference graph: nothing saved, nothing planned
                 region.inference_fn = variant.fn
@@ -189,6 +209,7 @@ class Session:
         else:
             variant = self._choose(region, args)
         if variant.fn is None:
+            self._compiled_anew()
             compiled = compile_variant(region, variant.plan, args)
             variant.fn, variant.graphs, variant.grad_params = compiled.fn, compiled.graphs, compiled.grad_params
         region.last = variant
@@ -207,6 +228,12 @@ class Session:
                 pointer, nbytes = storage_of(t)
                 self._made.setdefault(pointer, (("out", k, o), nbytes))
         return out
+
+    def _compiled_anew(self) -> None:
+        """A region compiles (Dynamo saw a changed module, parameter, device or shape, or a plan is new): what
+        was cached of the weights may be stale."""
+        self.compiles += 1
+        self._storage_of.clear()
 
     def ran_training_region(self) -> bool:
         return bool(self._calls)
@@ -454,9 +481,10 @@ def storage_of(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _allocated_on(tensors: Any) -> int:
-    """What the CUDA caching allocator holds on the device of ``tensors`` (0 off CUDA: a CPU has no such count)."""
-    device = next((t.device for t in tensors if t.is_cuda), None)
-    return torch.cuda.memory_allocated(device) if device is not None else 0
+    """What the CUDA caching allocator holds on the device of ``tensors`` (the first one's: a step's weights are
+    on one device), or 0 off CUDA: a CPU keeps no such count."""
+    first = next(iter(tensors), None)
+    return torch.cuda.memory_allocated(first.device) if first is not None and first.is_cuda else 0
 
 
 def _profiling() -> bool:
