@@ -14,8 +14,7 @@ Peak table: the allocator-measured peak (``karma_fx.measure_run.AllocatorPeak``,
 events, a steady-state step) of plain Inductor and of karma + Inductor for each of ``--strategies`` at each
 fraction in ``--budgets``, beside the plan's predicted peak. The plan is made on the problem as Inductor allocates it
 (``karma_fx.fusion.inductor_problem``: fused pointwise intermediates cost nothing, the addmm rewrite's later
-matmul is modelled), Inductor's buffer reuse is kept from raising a graph's peak (``karma_fx.inductor.
-ReuseGuard``) and a plan that moves nothing gets Inductor's min-cut partition only where it peaks no higher
+matmul is modelled), a planned step is compiled without Inductor's buffer reuse, and a plan that moves nothing gets Inductor's min-cut partition only where it peaks no higher
 than the partition the plan counts, so the measured peak is the prediction and within the budget: megatron_gpt
 at 1.0 / 0.9 / 0.8 measured -0.0% / -0.0% / +0.0% of the plan (it was +2.4% / +2.5% / +2.8%, over the
 budget at 1.0 and 0.8, before those two changes). Planned steps (``--no-time --models gpt-4x512-nodrop,gpt-4x512

@@ -167,7 +167,8 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
         t0 = time.perf_counter()
         report("capture")
         # A model on meta is only planned, for the device preset (a CUDA GPU): trace attention as it runs there.
-        step = capture(model, args, kwargs, gpu_attention=not real and bool(params))
+        step = capture(model, args, kwargs, gpu_attention=not real and bool(params),
+                       inductor=compiler == "inductor")
         t1 = time.perf_counter()
         report("liveness")
         problem = build_problem(step, name=label)

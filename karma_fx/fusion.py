@@ -51,8 +51,9 @@ below the plan's: Inductor writing a kernel's output in place into an input buff
 (``inplace_buffers``), and a realised buffer that later fuses away. Not modelled either: the extern kernels'
 own scratch (a CPU flash attention's 37 KB row buffers), counted only with ``costs="measured"`` (measured
 op by op under eager, where a pointwise op that Inductor fuses may have scratch its fused kernel does not:
-an overcount). Inductor's buffer reuse would hold a freed buffer past its last reader; ``karma_fx.inductor.
-ReuseGuard`` keeps it from raising the peak. ``bench/inductor_overhead.py``: the measured peak is the plan's.
+an overcount). Inductor's buffer reuse would hold a freed buffer past its last reader: a step that moves
+nothing keeps it (Inductor's own estimate keeps it from raising the peak), a planned one is compiled without it
+(``karma_fx.inductor.PLANNED_CONFIG``). ``bench/inductor_overhead.py``: the measured peak is the plan's.
 
 ``partition_peak_bytes`` puts the same model on an already partitioned step (a forward and a backward graph),
 so that two partitions of one joint graph can be compared: ``karma_fx.inductor.min_cut_partition`` uses it to

@@ -7,31 +7,19 @@ hook): it plans the decomposed joint graph, rewrites it with the ``karma`` ops a
 moves nothing hands the joint graph to Inductor's min-cut partitioner, so such a step is Inductor's step.
 
 The ``karma`` ops are custom ops with fake kernels; Inductor runs them as fallback (extern) kernels, in graph
-order. Three of Inductor's scheduling passes could undo the plan and are switched off for our compiles only
-(``PLAN_SAFE_CONFIG``): ``reorder_for_peak_memory`` reorders nodes by its own memory estimate (it would move
-prefetches and recomputes away from the ops the plan anchors them to), ``reorder_for_compute_comm_overlap``
-moves collectives and waits, ``reorder_for_locality`` moves producers next to their consumers. What stays
-is fusion: a fused kernel runs where the earliest of its members ran, after all its inputs, which pulls the
-later member's inputs, extern kernels included, ahead of it; for a planned graph ``PlanOrder`` refuses a
-fusion across an extern kernel, so a copy, a wait or a matmul keeps its place among the ops the plan put
-around it. No CSE runs after our partitioner (AOT's
-joint-graph CSE runs before it, on the unplanned graph), so a recomputed op in the backward stays a
-separate, short-lived buffer.
-
-Switching ``reorder_for_peak_memory`` off has a side effect this module undoes (``ReuseGuard``). Inductor's
-wrapper hands a freed buffer to a later allocation of the same size instead of freeing it (``buf13 = buf2;
-del buf2  # reuse``), which keeps the freed buffer alive until that later allocation. It does so only where
-its own estimate of the graph's memory says the graph's peak does not grow, but that estimate reads sizes
-and readers the scheduler computes only inside the peak-memory pass: with the pass off only the graph's
-inputs count, and reuses that raise the peak are taken. The plan frees each tensor after its last reader, so
-each such reuse is memory the plan never counted: on a two-layer GPT (``bench/inductor_overhead.py``) one 0.5 MiB
-gradient held across a 2 MiB matmul put the measured peak 2.4% above the plan and over the budget.
-``ReuseGuard`` computes that information after fusion, on the final node order, so the reuse guard works
-as it does under ``torch.compile(backend="inductor")``: a reuse never raises the graph's peak *as Inductor
-estimates it*. That estimate is not the plan's timeline (it counts a kernel's in-place output as a second
-buffer, so its peak can sit well above the real one and leave room for held buffers elsewhere), which is
-enough for a step that moves nothing (it peaks at the plan: the bench above) but not for a planned one: the
-graphs of a plan that moves tensors are compiled with buffer reuse off (``PLANNED_CONFIG``).
+order. Three of Inductor's scheduling passes could undo a plan that moves tensors and are switched off for its
+graphs only (``PLAN_SAFE_CONFIG``): ``reorder_for_peak_memory`` reorders nodes by its own memory estimate (it
+would move prefetches and recomputes away from the ops the plan anchors them to),
+``reorder_for_compute_comm_overlap`` moves collectives and waits, ``reorder_for_locality`` moves producers
+next to their consumers. What stays is fusion: a fused kernel runs where the earliest of its members ran,
+after all its inputs, which pulls the later member's inputs, extern kernels included, ahead of it; for a
+planned graph ``PlanOrder`` refuses a fusion across an extern kernel, so a copy, a wait or a matmul keeps its
+place among the ops the plan put around it. No CSE runs after our partitioner (AOT's joint-graph CSE runs
+before it, on the unplanned graph), so a recomputed op in the backward stays a separate, short-lived buffer.
+The same graphs are compiled without buffer reuse (``PLANNED_CONFIG``). A plan that moves nothing is compiled
+with Inductor's own settings, reordering and reuse included: its step is exactly Inductor's (before, with the
+reordering off there too, a two-pass residual MLP peaked at 67.05 MiB where Inductor's own step peaks at
+64.57 MiB).
 
 Example::
 
@@ -49,70 +37,16 @@ import torch.fx as fx
 
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma before Inductor meets them
 
-__all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "PLANNED_CONFIG", "PlanOrder", "ReuseGuard",
-           "compile_region", "min_cut_partition", "reuse_guard_patches"]
+__all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "PLANNED_CONFIG", "PlanOrder", "compile_region",
+           "min_cut_partition"]
 
 PLAN_SAFE_CONFIG: dict[str, Any] = {
     "reorder_for_peak_memory": False,
     "reorder_for_compute_comm_overlap": False,
     "reorder_for_locality": False,
 }
-"""Inductor settings patched for a karma compile (and only for it): no pass may reorder the planned graphs."""
-
-
-class ReuseGuard:
-    """Inductor post-fusion scheduler pass: fill in the memory-planning information (each buffer's size and
-    readers) that Inductor's wrapper needs to refuse a buffer reuse that would raise the graph's peak. Inductor
-    computes it inside ``reorder_for_peak_memory``, which karma switches off (``PLAN_SAFE_CONFIG``); without it
-    the wrapper sees every buffer as 0 bytes and reuses freely, holding freed buffers across later, larger
-    allocations that the plan does not count (see the module docstring). The node order is not changed.
-
-    ``previous``: a post-fusion pass already configured (run first, then the information is computed on the
-    nodes it returns)."""
-
-    VERSION = "karma_fx.inductor.ReuseGuard:1"
-
-    def __init__(self, previous: Callable[[list], list] | None = None) -> None:
-        self.previous = previous
-
-    def __call__(self, nodes: list) -> list:
-        from torch._inductor.memory import assign_memory_planning_info_for_scheduler_buffers
-        from torch._inductor.virtualized import V
-
-        if self.previous is not None:
-            nodes = self.previous(nodes)
-        assign_memory_planning_info_for_scheduler_buffers(nodes, V.graph.scheduler.name_to_buf)
-        return nodes
-
-
-def reuse_guard_patches() -> dict[str, Any]:
-    """The Inductor settings that keep buffer reuse from raising a karma graph's peak (``ReuseGuard``), for
-    the torch at hand: the guard as a post-fusion pass, chained after any pass already set. It is a
-    ``CustomSchedulerPass`` with a fixed ``uuid`` unless a plain callable was set before it, so that it never
-    makes Inductor's FX graph cache bypass a graph the cache would otherwise take, nor lets a cached graph
-    compiled without it be reused (karma's compiles, traced without a shape environment, bypass that cache
-    today anyway); a plain callable already set bypasses the cache, as it did. A torch without
-    the hook or the guard gets ``allow_buffer_reuse=False``: every buffer is freed after its last reader,
-    exactly as the plan counts it (the cost is an allocator call per buffer)."""
-    from torch._inductor import config
-
-    try:
-        from torch._inductor.codegen.wrapper import EfficientPeakEstimate  # noqa: F401
-        from torch._inductor.custom_graph_pass import CustomSchedulerPass
-        from torch._inductor.memory import assign_memory_planning_info_for_scheduler_buffers  # noqa: F401
-    except ImportError:
-        return {"allow_buffer_reuse": False}
-    if not hasattr(config, "_post_fusion_custom_pass"):
-        return {"allow_buffer_reuse": False}
-    previous = config._post_fusion_custom_pass
-    if previous is not None and not isinstance(previous, CustomSchedulerPass):
-        return {"_post_fusion_custom_pass": ReuseGuard(previous)}
-
-    class CachedReuseGuard(ReuseGuard, CustomSchedulerPass):
-        def uuid(self) -> Any:
-            return (self.VERSION, None if self.previous is None else self.previous.uuid())
-
-    return {"_post_fusion_custom_pass": CachedReuseGuard(previous)}
+"""Inductor settings patched for the graphs of a plan that moves tensors (and only for them): no pass may
+reorder them."""
 
 
 def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[fx.GraphModule,
@@ -227,8 +161,8 @@ reader; Inductor's buffer reuse instead holds a freed buffer until a later alloc
 it, wherever its own estimate of the graph's peak allows, and that estimate is not the plan's: on a 4-layer
 d=512 GPT (``bench/inductor_overhead.py``) a checkpoint plan's backward held one 8 MiB buffer per layer and
 the step peaked 9.8% above the plan (cpsat at 0.75 of the peak: 8.8%, over the budget); with reuse off both
-peak at the plan (-0.7%, +0.0%). A plan that moves nothing keeps Inductor's reuse, guarded by ``ReuseGuard``,
-so that its step stays exactly Inductor's. The cost: an allocator call per buffer (that checkpoint step
+peak at the plan (-0.7%, +0.0%). A plan that moves nothing keeps Inductor's reuse, so that its step stays
+exactly Inductor's. The cost: an allocator call per buffer (that checkpoint step
 took 1.6% longer on a CPU, within its run-to-run spread)."""
 
 COPY_SAFE_CONFIG: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers": False}
@@ -262,13 +196,15 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Cal
         from torch._inductor.virtualized import V
 
         planned = moves()
-        settings = {**(PLANNED_CONFIG if planned else {}), **(COPY_SAFE_CONFIG if _offloads(graph) else {})}
+        # a plan that moves nothing is Inductor's own step, compiled with Inductor's own settings
+        settings = {**PLAN_SAFE_CONFIG, **PLANNED_CONFIG} if planned else {}
+        settings.update(COPY_SAFE_CONFIG if _offloads(graph) else {})
         order = V.set_choices_handler(PlanOrder(V.choices)) if planned else contextlib.nullcontext()
         with torch._inductor.config.patch(settings), order:
             code = compile_fx_inner(graph, inputs, **kwargs)
         return _announcing(code, on_backward) if kwargs.get("is_backward") else code
 
-    patches = {**PLAN_SAFE_CONFIG, **reuse_guard_patches(), "custom_partitioner_fn": _partitioner(partition)}
+    patches = {"custom_partitioner_fn": _partitioner(partition)}
     return compile_fx(_own_copy(gm), example_inputs, inner_compile=inner, config_patches=patches)
 
 

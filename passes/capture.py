@@ -136,11 +136,13 @@ def _fakeify(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
 
 
 def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None, *,
-            gpu_attention: bool = False) -> CapturedStep:
+            gpu_attention: bool = False, inductor: bool = False) -> CapturedStep:
     """Trace ``model(*args, **kwargs)`` and the backward of its outputs into one joint aten graph.
 
     ``gpu_attention``: trace attention with dropout as a CUDA GPU's fused kernel (``passes/gpu_attention.py``),
-    for a plan made here of a step that runs on a GPU; the graph then cannot run here.
+    for a plan made here of a step that runs on a GPU; the graph then cannot run here. ``inductor``: trace the
+    joint graph ``karma_fx.compile(compiler="inductor")`` plans: with Inductor's decompositions, its dropout
+    backward left for Inductor to fuse (``split_dropout``).
 
     Every tensor output that requires grad is differentiated, with its incoming gradient as a ``tangents_*``
     input: exactly what ``torch.compile`` (and so ``karma_fx.compile``) runs. A HuggingFace model given
@@ -198,7 +200,10 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     captured: dict[str, Any] = {}
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
-        captured["joint"] = split_dropout(joint)  # a dropout output can then be rebuilt from its mask
+        # a dropout output can then be rebuilt from its mask
+        if inductor:
+            joint = _inductor_joint_passes(joint, joint_inputs)
+        captured["joint"] = split_dropout(joint, not inductor)
         captured["joint_inputs"] = joint_inputs
         captured["num_fwd_outputs"] = kw["num_fwd_outputs"]
         # The joint graph is all we need: stop AOTAutograd before it partitions and code-generates wrappers
@@ -212,7 +217,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
             scope:
         try:
             aot_module_simplified(step, tuple(fake_inputs), fw_compiler=identity_compiler,
-                                  bw_compiler=identity_compiler, partition_fn=partition)
+                                  bw_compiler=identity_compiler, partition_fn=partition,
+                                  decompositions=_inductor_decompositions() if inductor else None)
         except _JointCaptured:
             pass
     if "joint" not in captured:
@@ -223,6 +229,39 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     return CapturedStep(joint=captured["joint"], primal_kinds=tuple(kinds), primal_names=tuple(names),
                         num_fwd_outputs=captured["num_fwd_outputs"], output_names=output_names,
                         joint_inputs=captured["joint_inputs"])
+
+
+def _inductor_decompositions() -> dict:
+    """The decompositions ``torch.compile(backend="inductor")`` traces a joint graph with: the graph it plans
+    is then op for op the one the compiled step runs."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def _inductor_joint_passes(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
+    """``joint`` after the passes Inductor runs on every joint graph before partitioning it (pattern rewrites,
+    no-op removal, constant folding), as ``torch.compile(backend="inductor")`` would. Private to Inductor, its
+    signature has changed between releases: only the arguments it takes are passed; where it cannot run, the
+    joint is planned as traced (a plan a little off the step, never a wrong step: the runtime checks each
+    planned graph against the one Inductor compiles)."""
+    import inspect
+    import logging
+
+    try:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.compile_fx import _recursive_joint_graph_passes
+        from torch._inductor.virtualized import V
+
+        devices = {t.device for t in pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)}
+        accepted = inspect.signature(_recursive_joint_graph_passes).parameters
+        extra = {"input_device": next(iter(devices))} if "input_device" in accepted and len(devices) == 1 else {}
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):  # the passes trace their rewrites on it
+            return _recursive_joint_graph_passes(joint, **extra)
+    except Exception:  # pragma: no cover - depends on the torch release
+        logging.getLogger("karma_fx").debug("Inductor's joint graph passes failed; planning the joint as traced",
+                                            exc_info=True)
+        return joint
 
 
 @contextlib.contextmanager

@@ -49,6 +49,28 @@ def mlp() -> tuple[torch.nn.Module, tuple, dict]:
     return model, (torch.randn(512, 32),), {}
 
 
+class TwoPass(torch.nn.Module):
+    """Residual MLP blocks, each run twice: Inductor's peak-memory reordering changes its backward."""
+
+    def __init__(self, d: int = 32, n: int = 2) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                torch.nn.Linear(4 * d, d)) for _ in range(n))
+        self.head = torch.nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            for block in self.blocks:
+                x = x + block(x)
+        return self.head(x).square().mean()
+
+
+def two_pass() -> tuple[torch.nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    return TwoPass(), (torch.randn(2, 16, 32),), {}
+
+
 def megatron() -> tuple[torch.nn.Module, tuple, dict]:
     return build("megatron_gpt", "tiny", batch=8, seq=32, layers=1, hidden=32, vocab=64, dropout=0.0)
 
@@ -147,11 +169,13 @@ def test_compiler_is_validated():
         torch.compile(model, backend="karma", options={"budget": 1.0, "compiler": "xla"})(torch.randn(2, 4))
 
 
-def test_nothing_moves_is_exactly_inductor():
-    """Unlimited budget: the same generated code as torch.compile(backend="inductor"), and the same numbers."""
+@pytest.mark.parametrize("build_model", [mlp, two_pass])
+def test_nothing_moves_is_exactly_inductor(build_model):
+    """Unlimited budget: the same generated code as torch.compile(backend="inductor"), and the same numbers;
+    compiled with Inductor's own settings (on ``two_pass`` its peak-memory reordering changes the code)."""
     from torch._inductor.utils import run_and_get_code
 
-    model, args, kwargs = mlp()
+    model, args, kwargs = build_model()
     reference = copy.deepcopy(model)
     compiled = karma_fx.compile(model, budget="1TiB", compiler="inductor")
 
@@ -397,8 +421,8 @@ def test_planned_peak_is_the_allocator_peak():
     the budget. Inductor's min-cut partition of this step peaks 52 KB higher than the partition the plan
     counts (it saves both embeddings to rebuild their sum in the backward), so the step is partitioned as
     the plan counted (``min_cut_partition``); and Inductor's buffer reuse, unguarded with its peak-memory
-    pass off, held a 0.5 MiB buffer across a 2 MiB matmul (``ReuseGuard``): 2.4% over the plan and over the
-    budget before either fix. A planned step's peak is checked in ``test_planned_steps_equal_inductor``."""
+    pass off, held a 0.5 MiB buffer across a 2 MiB matmul: 2.4% over the plan and over the budget before
+    either fix (a step that moves nothing now keeps that pass on, as Inductor does). A planned step's peak is checked in ``test_planned_steps_equal_inductor``."""
     model, args, kwargs = build("megatron_gpt", "tiny", batch=8, seq=128, layers=2, hidden=128, vocab=512,
                                 dropout=0.0)
     compiled = karma_fx.compile(model, budget=1.0, compiler="inductor")
@@ -488,3 +512,33 @@ def test_a_fused_chain_costs_its_kernel_not_the_sum_of_its_ops():
         _, costs = inductor_model(problem, measured, {"mul", "add", "sum"}, {"mul", "add"}, measured=True)
         assert math.fsum(costs.op_time_us[:3]) == pytest.approx(launch + work, rel=1e-12)
         assert costs.op_time_us[3:] == times[3:]
+
+
+def test_plan_for_inductor_is_the_plan_compile_makes(capsys):
+    """karma_fx.plan(compiler="inductor") (and the CLI's --compiler inductor) plans the joint graph the Inductor
+    compile plans (Inductor's decompositions and joint passes): at the budget the compiled region planned for,
+    the same decisions, peaks and times."""
+    model, args, kwargs = build("megatron_gpt", "tiny", batch=4, seq=32, layers=1, hidden=32, vocab=64)
+    compiled = karma_fx.compile(model, budget=0.8, costs="roofline", compiler="inductor")
+    output_to_loss(compiled(*args, **kwargs)).backward()
+    made = compiled.plan
+    assert made.decisions  # 0.8 of the step leaves the region something to do
+    planned = karma_fx.plan(model, args, kwargs, budget=made.budget_bytes, costs="roofline", compiler="inductor")
+    assert planned.decisions == made.decisions
+    assert (planned.peak_bytes, planned.unplanned_peak_bytes, planned.step_time_us) == \
+        (made.peak_bytes, made.unplanned_peak_bytes, made.step_time_us)
+    eager = karma_fx.plan(model, args, kwargs, budget=made.budget_bytes, costs="roofline")
+    assert eager.unplanned_peak_bytes != made.unplanned_peak_bytes  # the two compilers' steps do differ here
+
+    from karma_fx.budget import format_bytes
+    from karma_fx.cli import main
+
+    printed = {}
+    for compiler in ("eager", "inductor"):
+        assert main(["plan", "megatron_gpt", "--size", "tiny", "--batch", "4", "--seq", "32", "--layers", "1",
+                     "--compiler", compiler, "--budget", "1.0", "--quiet"]) == 0
+        printed[compiler] = capsys.readouterr().out
+    tiny = build("megatron_gpt", "tiny", batch=4, seq=32, layers=1)
+    unplanned = karma_fx.plan(*tiny, budget=1.0, device="h100", compiler="inductor").unplanned_peak_bytes
+    assert f"unplanned peak {format_bytes(unplanned)}" in printed["inductor"]
+    assert printed["inductor"] != printed["eager"]
