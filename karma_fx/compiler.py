@@ -226,7 +226,10 @@ class KarmaModule(nn.Module):
         Dynamo guards on these itself, but not on every torch this package supports: torch 2.11 reuses a graph
         compiled with a frozen layer after ``requires_grad_(True)``, and that layer then silently gets no
         gradient (plain ``torch.compile`` too). A new backend object makes Dynamo's cached code for the old one
-        miss, so the region is captured again with the parameters as they are now."""
+        miss, so the region is captured again with the parameters as they are now. Where Dynamo guards on it
+        itself (``_DYNAMO_GUARDS_PARAMETERS``), nothing is checked here."""
+        if _DYNAMO_GUARDS_PARAMETERS:
+            return
         seen = _parameter_signature(params)
         if seen != self._parameters_seen:
             object.__setattr__(self, "_compiled", torch.compile(self._orig_mod, backend=KarmaBackend(self._session),
@@ -244,6 +247,10 @@ def _restore(model: nn.Module, config: KarmaConfig, optimizer: OptimizerFactory 
 
 
 RECOMPILE_LIMIT = 64
+
+_DYNAMO_GUARDS_PARAMETERS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+"""Whether this torch's Dynamo compiles anew when a parameter is frozen or unfrozen (2.13 does, 2.11 does not):
+where it does, the front door leaves that to Dynamo's guards and reads nothing of the parameters per call."""
 
 
 def _parameter_signature(params: list[nn.Parameter]) -> tuple[tuple[int, ...], tuple[bool, ...]]:
@@ -267,7 +274,10 @@ def _trains(model: nn.Module, args: tuple, kwargs: dict) -> bool:
 def _check_runnable(weight_devices: set[str], args: tuple, kwargs: dict) -> None:
     import torch.utils._pytree as pytree
 
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call, without pytree's walk
+        tensors = list(args)
+    else:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     # the device objects first, their type names from the few distinct ones: a name costs five times a device
     devices = {d.type for d in {t.device for t in tensors}} | weight_devices
     if "meta" in devices:

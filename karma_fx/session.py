@@ -95,10 +95,15 @@ class Session:
         """Storage pointer -> bytes of the weights, buffers and gradients held, this step and before."""
         self._storage_of: dict[int, tuple[Any, int, int]] = {}
         """id of a weight -> (a weak reference to it, its storage pointer, bytes)."""
+        self._region_weights_cache: dict[tuple, _RegionWeights] = {}
+        self._params_added = 0
+        self._seen_weights_cache: tuple[tuple[int, int], tuple[list[Any], list[Any]]] | None = None
         self._params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._batch: dict[int, int] = {}
         self._previous_batch = 0
         self._grads_counted: set[int] = set()
+        self._held_grads: set[int] = set()
+        """ids of the parameters that held a gradient when the step began (read once a step, in ``begin_step``)."""
         self._saw_backward = False
         self._started = False
         self._between = Between()
@@ -131,11 +136,13 @@ class Session:
             model = self._model() if self._model is not None else None
             # without the model (the raw backend): the weights earlier steps' runs read, whose gradients may be
             # held now
-            tensors = parameters_and_buffers(model) if model is not None else (list(self._params.values()), [])
+            tensors = parameters_and_buffers(model) if model is not None else self._seen_weights()
         self._weights = dict(self._weights_of(tensors))
+        held = self._held_grads = set()
         for p in tensors[0]:  # their gradients, held from an earlier micro-batch or not
             grad = p.grad
             if grad is not None:
+                held.add(id(p))
                 pointer, nbytes = storage_of(grad)
                 self._weights[pointer] = nbytes
         self._device_baseline = _allocated_on(tensors[0])
@@ -167,11 +174,21 @@ class Session:
             known = self._storage_of[id(t)] = (weakref.ref(t), *storage_of(t))
         self._weights[known[1]] = known[2]
         if isinstance(t, nn.Parameter):
-            self._params[id(t)] = t
+            if self._params.get(id(t)) is not t:
+                self._params[id(t)] = t
+                self._params_added += 1
             grad = t.grad if grads else None
             if grad is not None:
                 pointer, nbytes = storage_of(grad)
                 self._weights[pointer] = nbytes
+
+    def _seen_weights(self) -> tuple[list[Any], list[Any]]:
+        """The parameters earlier runs read (the raw backend knows no model), as the same lists until one is
+        added or dies, so that ``_weights_of`` reads them again only then."""
+        key = (self._params_added, len(self._params))
+        if self._seen_weights_cache is None or self._seen_weights_cache[0] != key:
+            self._seen_weights_cache = (key, (list(self._params.values()), []))
+        return self._seen_weights_cache[1]
 
     def _previous_peak(self) -> int:
         """The previous step's peak if this one repeats it, as the ledger counts it now (cached while what it
@@ -273,21 +290,25 @@ class Session:
     def _view(self, region: Region, fp: Footprint, args: list[Any]) -> Run:
         """How the step sees this run of ``region`` with a plan of footprint ``fp`` (its inputs from ``args``)."""
         k = len(self._calls)
-        reads, own, new_grads = [], {}, 0
+        weights, first = self._region_weights(region, args)  # ``first``: its trainable parameters, if read now
+        self._weights.update(weights.own)
+        own = dict(weights.own)
+        new_grads = 0
+        if not self.config.offload_weights:
+            counted = self._grads_counted
+            if first is not None:  # parameters ``begin_step`` may not have seen: read their gradients
+                fresh = {id(p) for p in first if p.grad is None} - counted
+            else:
+                fresh = weights.trainable_ids - self._held_grads - counted
+            if fresh:
+                counted |= fresh
+                new_grads = weights.trainable_bytes if len(fresh) == len(weights.trainable_ids) else \
+                    sum(weights.bytes_of[i] for i in fresh)
+        reads = []
         inputs = fp.inputs
-        for i, (t, kind) in enumerate(zip(args, region.kinds)):
-            if not isinstance(t, torch.Tensor):
-                continue
+        for i in weights.others:
+            t = args[i]
             pointer, nbytes = storage_of(t)
-            if kind in ("param", "buffer"):
-                if kind == "param" and self.config.offload_weights:
-                    continue
-                self._add_weight(t)
-                own[pointer] = nbytes
-                if kind == "param" and t.requires_grad and t.grad is None and id(t) not in self._grads_counted:
-                    self._grads_counted.add(id(t))
-                    new_grads += t.numel() * t.element_size()
-                continue
             made = self._made.get(pointer)
             if made is None:  # the batch, or what eager code made from it: held by the caller
                 self._batch[pointer] = nbytes
@@ -296,11 +317,43 @@ class Session:
             saved = inputs[i][1] if i < len(inputs) else True
             reads.append((made[0], made[1], saved))
         makes = tuple((("out", k, o), b, saved) for o, (b, saved) in enumerate(fp.outputs))
-        if self.config.offload_weights:
-            new_grads = 0
         kept = self._between.caller_keeps(self._signature() + (region.index,))
         return Run(fp=fp, own_bytes=sum(own.values()), reads=tuple(reads), makes=makes, new_grad_bytes=new_grads,
                    region=region.index, caller_keeps=kept)
+
+    def _region_weights(self, region: Region, args: list[Any]) -> tuple["_RegionWeights", list | None]:
+        """The weights ``region`` reads (its parameter and buffer inputs), read off ``args`` once per compile and
+        set of weight objects (one region may run for several layers, each with its own): each weight walked
+        every run was most of the host work of a call (1.2 ms a run on 300 weights). Also its trainable
+        parameters where they were read just now (``None`` otherwise). Only ids and sizes are kept: a session
+        must not keep a deleted model's parameters alive."""
+        positions = region.weight_positions
+        key = (region.index, self.compiles, tuple(map(id, (args[i] for i in positions))))
+        cached = self._region_weights_cache.get(key)
+        if cached is not None:
+            return cached, None
+        if len(self._region_weights_cache) > 4 * len(self.regions) + 64:
+            self._region_weights_cache.clear()  # stale compiles' entries
+        own: dict[int, int] = {}
+        trainable, others = [], []
+        for i, (t, kind) in enumerate(zip(args, region.kinds)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if kind not in ("param", "buffer"):
+                others.append(i)
+                continue
+            if kind == "param" and self.config.offload_weights:
+                continue
+            self._add_weight(t)  # and a gradient it holds now (on later runs, ``begin_step`` counts those)
+            pointer, nbytes = storage_of(t)
+            own[pointer] = nbytes
+            if kind == "param" and t.requires_grad:
+                trainable.append(t)
+        bytes_of = {id(p): p.numel() * p.element_size() for p in trainable}
+        weights = _RegionWeights(own=own, trainable_ids=frozenset(bytes_of),
+                                 trainable_bytes=sum(bytes_of.values()), bytes_of=bytes_of, others=tuple(others))
+        self._region_weights_cache[key] = weights
+        return weights, trainable
 
     def _later(self, region: Region) -> list[_Call] | None:
         """The runs that followed this one in the previous step, if this step has run the same regions so far."""
@@ -464,6 +517,20 @@ class Session:
 
     def _plan(self, region: Region, target: int) -> Variant:
         return planned_variant(region, self.config, target, self.budget_bytes)
+
+
+@dataclass(frozen=True)
+class _RegionWeights:
+    """What a region's weight inputs hold, as read at its first run after a compile (``Session._region_weights``)."""
+
+    own: dict[int, int]
+    """Storage -> bytes of its parameters and buffers."""
+    trainable_ids: frozenset[int]
+    trainable_bytes: int
+    bytes_of: dict[int, int]
+    """id of a trainable parameter -> its bytes (those of the gradient it gets)."""
+    others: tuple[int, ...]
+    """The positions of its other tensor inputs (the batch, activations from earlier runs)."""
 
 
 def storage_of(t: torch.Tensor) -> tuple[int, int]:

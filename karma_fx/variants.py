@@ -8,6 +8,8 @@ graph break ends it, and the ``Variant`` of each plan one of its runs needed, co
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +60,11 @@ class Region:
     """The session's budget in bytes when this region last ran (a fraction grows with the step)."""
     planned_at: list[int] = field(default_factory=list)
     """The targets this region was planned at (a region is not planned twice at about the same target)."""
+
+    @functools.cached_property
+    def weight_positions(self) -> tuple[int, ...]:
+        """The positions of its parameter and buffer inputs."""
+        return tuple(i for i, kind in enumerate(self.kinds) if kind in ("param", "buffer"))
 
     @property
     def plan(self) -> Plan:

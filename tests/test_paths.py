@@ -74,7 +74,13 @@ def test_eval_and_back_to_train_follow_the_model():
     assert same(model.ema, reference.ema), "a buffer reassigned in forward is updated every call"
 
 
-def test_unfreeze_swap_and_new_parameter_are_seen():
+@pytest.mark.parametrize("dynamo_guards", [True, False], ids=["dynamo-guards", "front-door-checks"])
+def test_unfreeze_swap_and_new_parameter_are_seen(dynamo_guards, monkeypatch):
+    """Seen by Dynamo's guards (torch >= 2.13) or, where those miss a frozen layer unfrozen (torch 2.11), by the
+    front door's own check of the parameters; each way runs here (Dynamo's guards see it on this torch)."""
+    if dynamo_guards and torch.__version__ < "2.13":
+        pytest.skip("this torch's Dynamo does not guard on requires_grad")
+    monkeypatch.setattr("karma_fx.compiler._DYNAMO_GUARDS_PARAMETERS", dynamo_guards)
     model, reference, x = pair()
     for m in (model, reference):
         m.fc.requires_grad_(False)
