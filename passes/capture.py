@@ -233,7 +233,9 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
 
 def _inductor_decompositions() -> dict:
     """The decompositions ``torch.compile(backend="inductor")`` traces a joint graph with: the graph it plans
-    is then op for op the one the compiled step runs."""
+    is then op for op the one the compiled step runs. Some of them ask Inductor's lowerings whether to apply
+    (max-pooling's), which only ``compile_fx`` imports: imported here too."""
+    import torch._inductor.lowering  # noqa: F401
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
