@@ -155,7 +155,7 @@ class PlanOrder:
         return i < len(anchors) and anchors[i] < high
 
 
-PLANNED_CONFIG: dict[str, Any] = {"allow_buffer_reuse": False}
+PLANNED_CONFIG: dict[str, Any] = {"allow_buffer_reuse": False, "layout_optimization": False}
 """Inductor settings for the graphs of a plan that moves tensors. The plan frees each tensor after its last
 reader; Inductor's buffer reuse instead holds a freed buffer until a later allocation of the same size takes
 it, wherever its own estimate of the graph's peak allows, and that estimate is not the plan's: on a 4-layer
@@ -163,7 +163,10 @@ d=512 GPT (``bench/inductor_overhead.py``) a checkpoint plan's backward held one
 the step peaked 9.8% above the plan (cpsat at 0.75 of the peak: 8.8%, over the budget); with reuse off both
 peak at the plan (-0.7%, +0.0%). A plan that moves nothing keeps Inductor's reuse, so that its step stays
 exactly Inductor's. The cost: an allocator call per buffer (that checkpoint step
-took 1.6% longer on a CPU, within its run-to-run spread)."""
+took 1.6% longer on a CPU, within its run-to-run spread). Nor do they get Inductor's layout optimization: for a
+graph with convolutions it runs them channels-last and converts each output the plan offloads back to its traced
+layout, a second copy of every such tensor that no plan counts (a residual CNN at a 0.6 budget, 2026-12-02: its
+planned step peaked 12.45 MiB with it, 8.26 without; ``bench/budget_probes.py``)."""
 
 COPY_SAFE_CONFIG: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers": False}
 """Inductor settings for a graph that swaps tensors out. ``karma.offload`` returns as soon as its copy is
