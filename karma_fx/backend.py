@@ -147,7 +147,7 @@ class KarmaBackend:
         from torch._functorch.aot_autograd import aot_module_simplified
 
         from karma_fx.api import Prepared
-        from karma_fx.exchange import insert_gradient_hooks
+        from karma_fx.passes.gradient_hooks import insert_gradient_hooks
         from karma_fx.passes.partition import hand_over
         from karma_fx.pricing import price
         from karma_fx.simulate import simulate

@@ -1,7 +1,7 @@
 """Gradients leave backward as soon as they are final: bucketed all-reduce across ranks and the host optimizer.
 
 ``karma_fx.compile(model, ..., optimizer=..., data_parallel=True)`` makes each emitted backward graph call
-``gradient_ready(grad, param, pipeline)`` right after a parameter's gradient is produced and after the
+``gradient_ready(grad, param, pipeline)`` (``karma_fx.passes.gradient_hooks``) right after a parameter's gradient is produced and after the
 parameter's last read in that graph (so updating it in place cannot change what backward still reads), and
 returns no gradient for it: the ``GradientPipeline`` takes it from there.
 
@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.fx as fx
 
 from karma_fx.errors import KarmaError
 from karma_fx.runtime import landed
@@ -390,25 +389,3 @@ def gradient_ready(grad: torch.Tensor, param: torch.Tensor, pipeline: int) -> No
                          "host optimizer and gradient pipeline are closed; keep the module karma_fx.compile "
                          "returned alive until loss.backward() has returned")
     target.ready(grad, param)
-
-
-def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline) -> list[int]:
-    """Turn each ``hand_over(grad, param)`` marker of an emitted backward graph (see
-    ``karma_fx.passes.partition.hand_over_gradients``) into a ``gradient_ready`` call, in place, and drop those
-    gradients from the graph's outputs: the pipeline consumes them. Returns the output positions dropped."""
-    from karma_fx.passes.partition import hand_over
-
-    graph = bw.graph
-    output = next(n for n in graph.nodes if n.op == "output")
-    outs = list(output.args[0])
-    consumed = []
-    for i, o in enumerate(outs):
-        if isinstance(o, fx.Node) and o.target is hand_over:
-            grad, param = o.args
-            o.target, o.args = gradient_ready, (grad, param, pipeline.id)
-            outs[i] = None
-            consumed.append(i)
-    output.args = (tuple(outs),)
-    graph.lint()
-    bw.recompile()
-    return consumed

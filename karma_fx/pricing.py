@@ -92,7 +92,7 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
     if pricing.memory == "measured":
         scratch = measured.scratch_bytes
         if pricing.compiler == "inductor":  # measured op by op under eager: a loop Inductor generates has none
-            from karma_fx.fusion import fusible_ops
+            from karma_fx.passes.fusible import fusible_ops
 
             loops = fusible_ops(step.joint.graph)
             scratch = {name: b for name, b in scratch.items() if name not in loops}
@@ -103,7 +103,8 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
         costs = estimate_costs(problem, pricing.device)
     costs = replace(costs, device=pricing.describe(where))
     if pricing.compiler == "inductor":
-        from karma_fx.fusion import fusible_ops, inductor_model, inlined_ops
+        from karma_fx.fusion import inductor_model
+        from karma_fx.passes.fusible import fusible_ops, inlined_ops
 
         graph = step.joint.graph
         problem, costs = inductor_model(problem, costs, fusible_ops(graph), inlined_ops(graph), pricing.device,

@@ -1,0 +1,183 @@
+"""What Inductor fuses, read from FX graphs: the ops it computes in its own loops, the pointwise results it
+inlines into their readers rather than storing, and one joint graph stitched back from a partitioned forward
+and backward. ``karma_fx.fusion`` prices a step from these answers (memory as Inductor allocates it, time as
+its kernels run); this module only reads graphs.
+
+Example::
+
+    fusible, inlined = fusible_ops(step.joint.graph), inlined_ops(step.joint.graph)
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from karma_fx.passes.liveness import storage_key
+
+__all__ = ["SEEDED_LOOP_OPS", "fusible_ops", "inlined_ops", "stitched"]
+
+_LOOP_OPS: frozenset[str] = frozenset({
+    "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
+    "aten.full.default", "aten.scalar_tensor.default", "aten.zeros.default", "aten.ones.default",
+    "aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten._to_copy.default",
+    "aten.clone.default", "aten.var_mean.correction", "aten.max.dim", "aten.min.dim", "prims.iota.default",
+    "prims.convert_element_type.default",
+})
+"""Untagged ops that Inductor lowers to a loop nest of its own (an index load, a fill, a copy, a Welford or
+arg reduction) rather than to an extern kernel, so they fuse like pointwise and reduction nodes."""
+
+SEEDED_LOOP_OPS: frozenset[str] = frozenset({
+    "prims.inductor_random.default", "prims.inductor_randint.default", "prims.inductor_lookup_seed.default",
+})
+"""Inductor's own random draws (what its ``replace_random`` pass makes of a dropout's ``rand``): generated in
+its loops from a seed, so they fuse with their neighbours, but their result is stored, never inlined."""
+
+_HEAVY_ON_CPU = ("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")
+"""Ops whose result Inductor's CPU backend stores rather than recomputes in each of several readers."""
+
+
+def _computes_in_loops(target: object) -> bool:
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags:
+            return True
+    return str(target) in _LOOP_OPS
+
+
+def _is_reduction(target: object) -> bool:
+    name = str(target)
+    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.reduction in target.tags) or name in (
+        "aten.var_mean.correction", "aten.max.dim", "aten.min.dim")
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
+
+
+def fusible_ops(graph: fx.Graph) -> frozenset[str]:
+    """Names of the call nodes of ``graph`` that Inductor computes in its own (fusible) loops: pointwise and
+    reduction ops, index loads, fills and copies. Everything else (matmuls, convolutions, random draws,
+    scatters, fallbacks, ``karma`` ops) is an extern kernel that reads and writes allocated buffers."""
+    return frozenset(n.name for n in graph.nodes if n.op == "call_function" and _computes_in_loops(n.target))
+
+
+def inlined_ops(graph: fx.Graph) -> frozenset[str]:
+    """Names of the pointwise nodes of ``graph`` whose result Inductor's lowering inlines into its readers
+    rather than storing. Lowering walks the graph in order and stores (realises) a pointwise result that
+    several nodes read when recomputing it in each would cost too much: its expression, with everything
+    inlined into it, holds a transcendental op on a CPU, more than ``realize_opcount_threshold`` ops, or
+    reads more than ``realize_reads_threshold`` stored buffers; and any result that has accumulated more
+    than the accumulated-reads threshold of buffer reads. Reductions always write a buffer."""
+    from torch._inductor import config
+
+    reads: dict[fx.Node, frozenset[fx.Node]] = {}
+    ops: dict[fx.Node, frozenset[str]] = {}
+    count: dict[fx.Node, int] = {}
+    inlined: set[fx.Node] = set()
+    base: dict[fx.Node, fx.Node] = {}
+    opcount_limit = config.realize_opcount_threshold or config._realize_opcount_threshold_default
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if _is_view(node) and node.all_input_nodes:
+            base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0])
+            continue
+        if not _computes_in_loops(node.target) or _is_reduction(node.target):
+            continue
+        my_reads: set[fx.Node] = set()
+        my_ops = {str(node.target).split(".")[1] if str(node.target).count(".") >= 2 else str(node.target)}
+        my_count = 1
+        for arg in node.all_input_nodes:
+            src = base.get(arg, arg)
+            if src in inlined:
+                my_reads |= reads[src]
+                my_ops |= ops[src]
+                my_count += count[src]
+            else:
+                my_reads.add(src)
+        val = node.meta.get("val")
+        cpu = isinstance(val, torch.Tensor) and val.device.type == "cpu"
+        acc_limit = (config.realize_acc_reads_threshold
+                     or (config.realize_cpu_acc_reads_threshold if cpu else config._realize_acc_reads_threshold_default))
+        many_readers = len(set(node.users)) > 1 or any(_is_view(u) and len(u.users) > 1 for u in node.users)
+        stored = (many_readers and ((cpu and any(op in _HEAVY_ON_CPU for op in my_ops))
+                                    or my_count > opcount_limit or len(my_reads) > config.realize_reads_threshold)
+                  ) or len(my_reads) > acc_limit
+        if not stored:
+            inlined.add(node)
+            reads[node], ops[node], count[node] = frozenset(my_reads), frozenset(my_ops), my_count
+    return frozenset(n.name for n in inlined)
+
+
+def stitched(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> fx.GraphModule:
+    """One joint graph equivalent to the partitioned ``fw`` then ``bw``: each backward placeholder for a saved
+    value reads the forward node that computed it, tangents stay placeholders, and the outputs are the
+    forward's own ``num_fwd_outputs`` then the backward's. Forward nodes are tagged as forward
+    (``partitioner_tag``, as a rewrite tags what it adds), so a value computed only to be saved runs in the
+    forward, where the partition put it, and not in the backward where nothing but its readers are."""
+    graph = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    fw_out: tuple = ()
+    for node in fw.graph.nodes:
+        if node.op == "output":
+            fw_out = tuple(node.args[0])
+            continue
+        new = graph.node_copy(node, lambda a: env[a])
+        if node.op == "call_function":
+            new.meta["karma"] = {"stitched": True}
+            new.meta["partitioner_tag"] = "is_forward"
+        env[node] = new
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    saved = [n for n in placeholders if not n.name.startswith("tangents")]
+    benv: dict[fx.Node, object] = {}
+    for node, value in zip(saved, fw_out[num_fwd_outputs:num_fwd_outputs + len(saved)]):
+        benv[node] = env[value] if isinstance(value, fx.Node) else value
+    bw_out: tuple = ()
+    fresh: dict[object, torch.Tensor] = {}
+    for node in bw.graph.nodes:
+        if node.op == "output":
+            bw_out = tuple(node.args[0])
+        elif node not in benv:
+            new = graph.node_copy(node, lambda a: benv[a])
+            if node.op == "call_function":
+                new.meta["val"] = _own_storages(node, fresh)
+            benv[node] = new
+    outputs = [env[a] if isinstance(a, fx.Node) else a for a in fw_out[:num_fwd_outputs]]
+    outputs += [benv[a] if isinstance(a, fx.Node) else a for a in bw_out]
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _own_storages(node: fx.Node, fresh: dict[object, torch.Tensor]) -> object:
+    """``node``'s traced value with storages of its own. A partitioner that recomputes a forward node in the
+    backward copies its traced value, fake storage and all, so the recompute would look like the forward
+    tensor itself, alive from the forward to the backward. A tensor that aliases an input of ``node`` (a
+    view, an unpacked tuple element) is put on whatever storage that input now has; any other gets a new
+    one (``fresh``: old storage to its new base, shared by the views read later)."""
+    inputs = {storage_key(t) for arg in node.all_input_nodes for t in _tensors(arg.meta.get("val"))}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in fresh:
+            if key in inputs:
+                return t  # an alias of a value the backward did not make (a saved tensor, a tangent)
+            with t.fake_mode:  # type: ignore[attr-defined]
+                fresh[key] = torch.empty((t.untyped_storage().nbytes(),), dtype=torch.uint8, device=t.device)
+        with t.fake_mode:  # type: ignore[attr-defined]
+            return fresh[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return own(val)
+    if isinstance(val, (tuple, list)):
+        return type(val)(own(v) if isinstance(v, torch.Tensor) else v for v in val)
+    return val
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
