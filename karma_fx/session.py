@@ -34,6 +34,7 @@ from karma_fx.plan import Plan
 from karma_fx.between import Between
 from karma_fx.refusal import refusal
 from karma_fx.regions import Footprint, Run, Step
+from karma_fx.run_choice import Candidate, choose_plan
 from karma_fx.strategies import DEFAULT_STRATEGY
 from karma_fx.variants import Region, Variant, keep_variant, leanest_variant, planned_variant
 
@@ -403,15 +404,16 @@ class Session:
                              + sequence(keep.fp, lean_later=False)[len(calls):], signature_calls)
         budget = self.budget_bytes
         assert budget is not None
-        usable = [v for v in region.variants if peak(v.fp) <= budget]
-        best = min(usable, key=lambda v: (v.plan.step_time_us or 0.0, v.fp.peak_bytes)) if usable else None
         ran = self._previous[len(calls)].variant if later is not None and self._previous else None
-        if ran is not None and ran in usable and ran is not region.leanest:
-            best = ran  # what this run ran last step still fits: no recompile for a step a little faster on paper
+        candidates = [Candidate(key=i, step_time_us=v.plan.step_time_us or 0.0, own_peak_bytes=v.fp.peak_bytes,
+                                step_peak_bytes=peak(v.fp), leanest=v is region.leanest, ran_last_step=v is ran)
+                      for i, v in enumerate(region.variants)]
+        variants = list(region.variants)
         lean = self._leanest(region)
         target = self._target(region, keep, sequence, signature_calls, budget)
-        if best is not None and (best is not lean or not self._worth_planning(region, target)):
-            return best
+        choice = choose_plan(candidates, budget, target, region.planned_at)
+        if choice.use is not None:
+            return variants[choice.use]
         region.planned_at.append(target)
         for _ in range(RETRIES):
             if target <= 0 or target < lean.fp.peak_bytes:
@@ -425,10 +427,6 @@ class Session:
         if peak(lean.fp) <= budget and self.config.strategy == DEFAULT_STRATEGY:
             return lean  # the default strategy's floor: what every "smallest budget known to work" refers to
         return self._no_room(region, later, signature_calls)
-
-    def _worth_planning(self, region: Region, target: int) -> bool:
-        """Only the leanest plan fits: plan at ``target`` unless a plan was already made at about that much."""
-        return not any(abs(target - t) <= 0.02 * t for t in region.planned_at)
 
     def _target(self, region: Region, keep: Variant, sequence: Callable, calls: list[_Call], budget: int) -> int:
         """The peak this run's plan may have, as its own problem counts it: the budget less what the step holds
