@@ -144,13 +144,19 @@ def _check_call(model: Any, args: Any, kwargs: Any) -> tuple[tuple, dict[str, An
 
 def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *,
             device: str | DeviceSpec | None = None, name: str | None = None, costs: str | None = None,
-            compiler: str = "eager") -> Prepared:
+            compiler: str | None = None) -> Prepared:
     """Capture the training step and build everything a strategy needs, priced as ``karma_fx.compile`` prices
     it (``karma_fx.pricing``): a model with real weights and no ``device`` preset named is measured on its
     device (its kernels' scratch, and its ops' times unless ``costs="roofline"``); a model on ``meta``, or one
     planned for a named preset, is priced on the preset's roofline (default h100), tensors only.
-    ``compiler="inductor"`` prices the step Inductor runs."""
+    ``compiler``: ``"eager"`` (the default, as ``compile``'s, or ``$KARMA_COMPILER``) prices the op-by-op step,
+    ``"inductor"`` the step Inductor runs."""
+    from karma_fx.config import COMPILERS, default_compiler
     from karma_fx.pricing import choose, price
+
+    compiler = default_compiler() if compiler is None else compiler
+    if compiler not in COMPILERS:
+        raise KarmaError(f"compiler must be one of {', '.join(repr(c) for c in COMPILERS)}, got {compiler!r}")
 
     args, kwargs = _check_call(model, args, kwargs)
     params = list(model.parameters())
@@ -198,7 +204,7 @@ def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None,
     ``time_limit_s`` bounds the planning's wall-clock time (the capture excluded). Pricing is ``compile``'s
     (``karma_fx.pricing``): a model with real weights and no ``device`` preset named is measured on its device
     (``costs="roofline"`` keeps the times on the preset's roofline; scratch is measured either way), a model
-    on meta is priced on the preset. ``compiler="inductor"`` plans the step Inductor runs.
+    on meta is priced on the preset. ``compiler`` (default as ``compile``'s) says which step is planned.
     Raises ``InfeasibleBudgetError`` (naming the smallest workable budget) when the strategy cannot fit.
     """
     from karma_fx.config import KarmaConfig

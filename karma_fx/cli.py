@@ -97,9 +97,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs", choices=("roofline", "measured"), default="roofline",
                    help="roofline: op times from the --device preset (default); measured: the step's ops timed "
                         "here, for real (tiny size: a real-size model is built on meta and cannot run)")
-    p.add_argument("--compiler", choices=("eager", "inductor"), default="eager",
-                   help="what runs the planned step: eager (op by op, default) or inductor (fused kernels): the "
-                        "plan karma_fx.compile(..., compiler=...) makes for the same model and budget")
+    p.add_argument("--compiler", choices=("eager", "inductor"), default=None,
+                   help="what runs the planned step: eager (op by op, default, or $KARMA_COMPILER) or inductor "
+                        "(fused kernels): the plan karma_fx.compile(..., compiler=...) makes for the same model and "
+                        "budget")
     p.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default=None,
                    help="training regime: fp32 (default); bf16-mixed (fp32 weights under bf16 autocast); "
                         "bf16 (bf16 weights)")
@@ -237,7 +238,7 @@ def _prepare(args: argparse.Namespace) -> Any:
     if args.precision != "fp32":
         name += f"-{args.precision}"
     prepared = karma_fx.prepare(model, model_args, model_kwargs, device=args.device, name=name, costs=args.costs,
-                                compiler=getattr(args, "compiler", "eager"))
+                                compiler=getattr(args, "compiler", None))
     prepared.seconds.setdefault("build", build_s)
     return prepared
 

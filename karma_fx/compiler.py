@@ -312,15 +312,19 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     ``$KARMA_PLAN_CACHE``), so a restarted job does not plan again. ``costs``: by default each region is
     measured on the tensors of its first run, on the device it runs on (each kernel's scratch and each op's
     time, and the copy ops' speed); ``"roofline"`` (or a ``device`` preset named) times the ops on the preset's
-    roofline instead, the scratch still measured (``karma_fx.pricing``). ``compiler``: ``"eager"`` (default) runs the planned graphs op by op; ``"inductor"``
-    compiles them with Inductor, as ``torch.compile`` would, the copies and waits kept where the plan put them
-    (``karma_fx.inductor``; not with ``optimizer=`` or ``data_parallel=`` yet).
+    roofline instead, the scratch still measured (``karma_fx.pricing``). ``compiler``: ``"eager"`` (the default, or
+    ``$KARMA_COMPILER``) runs the planned graphs op by op; ``"inductor"`` compiles them with Inductor, as
+    ``torch.compile`` would, the copies and waits kept where the plan put them (``karma_fx.inductor``). With
+    ``optimizer=`` or ``data_parallel=``, ``$KARMA_COMPILER`` is not followed: the gradient pipeline is called
+    from inside the backward graph, which Inductor does not compile yet (``compiler="inductor"`` refuses).
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"karma_fx.compile takes an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not callable(optimizer):
         raise KarmaError("optimizer must be a callable that builds a torch.optim.Optimizer from a parameter list, "
                          "e.g. functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)")
+    if compiler is None and (optimizer is not None or data_parallel):
+        compiler = "eager"  # the gradient pipeline runs inside the backward graph, which Inductor cannot compile
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
                               time_limit_s=time_limit_s, plan_cache=plan_cache, costs=costs, compiler=compiler)
     return KarmaModule(model, config, optimizer, data_parallel, bucket_bytes, max_grad_norm)

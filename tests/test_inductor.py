@@ -154,8 +154,25 @@ def assert_karma_ops_in_place(graph: torch.fx.GraphModule, schedule: list[set[st
 
 
 # ---- tests ---------------------------------------------------------------------------------------------------
-def test_compiler_is_validated():
+def test_the_default_compiler_and_karma_compiler(monkeypatch):
+    """Unset, every door runs eager (the suite sets $KARMA_COMPILER=eager, see conftest); $KARMA_COMPILER
+    picks Inductor for every door, but the front door with the gradient pipeline, which Inductor does not
+    compile, stays eager."""
+    monkeypatch.delenv("KARMA_COMPILER")
     assert KarmaConfig.make(budget=1.0).compiler == "eager"
+    monkeypatch.setenv("KARMA_COMPILER", "inductor")
+    assert KarmaConfig.make(budget=1.0).compiler == "inductor"
+    assert KarmaConfig.from_options({"budget": 1.0}).compiler == "inductor"
+    assert karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0)._made_with[0].compiler == "inductor"
+    step = karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, optimizer=torch.optim.SGD)
+    assert step._made_with[0].compiler == "eager"
+    monkeypatch.setenv("KARMA_COMPILER", "tvm")
+    with pytest.raises(KarmaError, match=r"\$KARMA_COMPILER must be one of eager, inductor"):
+        KarmaConfig.make(budget=1.0)
+
+
+def test_compiler_is_validated():
+    assert KarmaConfig.make(budget=1.0, compiler="eager").compiler == "eager"
     assert KarmaConfig.from_options({"budget": 1.0, "compiler": "inductor"}).compiler == "inductor"
     for bad in ("tvm", "Inductor", 1, ""):
         with pytest.raises(KarmaError, match="compiler must be one of 'eager', 'inductor'"):
