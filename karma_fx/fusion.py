@@ -82,10 +82,12 @@ if TYPE_CHECKING:
     from karma_fx.costs import Costs
     from karma_fx.device import DeviceSpec
 
-__all__ = ["delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem", "kernel_costs",
-           "kernel_groups", "loop_runs", "outputs_held_through_runs", "partition_peak_bytes"]
+__all__ = ["delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem", "inlined_reads",
+           "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "partition_peak_bytes",
+           "written_in_place"]
 
 _FUSED_KINDS = ("activation", "temp")
+
 
 def fused_storages(problem: Problem, fusible: Collection[str], inlined: Collection[str]) -> frozenset[str]:
     """The storages of ``problem`` that Inductor would not allocate (the rule in the module docstring), given
@@ -192,12 +194,97 @@ def _allocated(problem: Problem, fused: frozenset[str]) -> Problem:
     return delayed_matmuls(problem)
 
 
+def inlined_reads(problem: Problem, fused: Collection[str]) -> Problem:
+    """``problem`` with every reader of a fused storage also reading what that storage is computed from (through
+    chains of fused storages): Inductor computes a fused value inside each kernel that reads it, so its
+    sources are read there, not where the graph computed it. A residual block's ReLU mask (``le`` of the block's
+    output) is inlined into the skip connection's gradient sum at the block's end, and the output it is computed
+    from stays allocated until then; counted where the mask was made, each such output looked freed a block
+    early (a residual CNN's planned backward held one 1 MiB output more per block than its plan)."""
+    fused = frozenset(fused)
+    if not fused:
+        return problem
+    memo: dict[str, tuple[str, ...]] = {}
+
+    def sources(name: str) -> tuple[str, ...]:
+        if name not in memo:
+            memo[name] = ()  # a cycle cannot occur in a graph; this only stops a malformed one
+            maker = problem.ops[problem.storage(name).producer]  # type: ignore[index]
+            found: list[str] = []
+            for i in maker.inputs:
+                found.extend(sources(i) if i in fused else (i,))
+            memo[name] = tuple(dict.fromkeys(found))
+        return memo[name]
+
+    more: dict[int, tuple[str, ...]] = {}
+    for k, op in enumerate(problem.ops):
+        extra = [src for i in op.inputs if i in fused for src in sources(i)]
+        extra = [e for e in dict.fromkeys(extra) if e not in op.inputs and e not in op.outputs]
+        if extra:
+            more[k] = tuple(extra)
+    return _with_more_inputs(problem, more, ())
+
+
+def written_in_place(problem: Problem, fusible: Collection[str]) -> Problem:
+    """``problem`` with Inductor's in-place writes: a kernel writes its output into an input buffer of the same
+    size that dies there (``inplace_buffers``), so the output costs nothing and the input's buffer lives as long
+    as the output. Once its readers read what a fused value is computed from (``inlined_reads``), an input often
+    dies exactly where such an output is written: a log-softmax's logits, read again by the kernel that writes
+    its result, which Inductor writes over them. Only a temporary of one phase is taken (never a saved
+    activation, a graph input or an output: those are what plans move, and moving a buffer that holds another
+    value would not free it), and only by a loop op of the same phase, from a value made outside its own run of
+    loop ops (``loop_runs``): a run is one kernel, and one kernel's outputs do not overwrite each other."""
+    fusible = frozenset(fusible)
+    run_of = {k: r for r, run in enumerate(loop_runs(problem, fusible)) for k in run}
+    holder: dict[str, str] = {}
+    readers = {s.name: list(s.users) for s in problem.storages}
+    sizes = {s.name: s.size_bytes for s in problem.storages}
+
+    def one_phase_temp(name: str, phase: str) -> bool:
+        s = problem.storage(name)
+        return (s.kind in _FUSED_KINDS and not s.is_output and s.producer is not None
+                and problem.ops[s.producer].phase == phase and all(problem.ops[u].phase == phase for u in s.users))
+
+    emptied: set[str] = set()
+    for k, op in enumerate(problem.ops):
+        if op.name not in fusible or op.mutates:
+            continue
+        taken: set[str] = set()
+        for out in op.outputs:
+            if sizes[out] == 0 or not one_phase_temp(out, op.phase):
+                continue
+            for name in op.inputs:
+                h = holder.get(name, name)
+                made_by = problem.storage(name).producer
+                if made_by is not None and k in run_of and run_of.get(made_by) == run_of[k]:
+                    continue
+                if (h in taken or not one_phase_temp(name, op.phase) or not one_phase_temp(h, op.phase)
+                        or sizes[h] != sizes[out] or max(readers[h], default=-1) != k):
+                    continue
+                taken.add(h)
+                holder[out] = h
+                readers[h] = sorted(set(readers[h]) | set(readers[out]))
+                emptied.add(out)
+                break
+    if not emptied:
+        return problem
+    more: dict[int, list[str]] = {}
+    for out, h in holder.items():
+        for u in problem.storage(out).users:
+            more.setdefault(u, []).append(h)
+    return _with_more_inputs(problem, {k: tuple(v) for k, v in more.items()}, emptied)
+
+
 def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collection[str]) -> Problem:
-    """``problem`` as Inductor allocates it: each fused storage (``fused_storages``) has 0 bytes, the matmuls
-    of ``addmm`` rewrites run late (``delayed_matmuls``), and what a run of loop ops writes lives until the run
-    ends (``outputs_held_through_runs``). Names and ops are unchanged (some ops read more), so plans made on
-    it apply to the graph ``problem`` was built from."""
-    return outputs_held_through_runs(_allocated(problem, fused_storages(problem, fusible, inlined)), fusible)
+    """``problem`` as Inductor allocates it: each fused storage (``fused_storages``) has 0 bytes and its readers
+    read what it is computed from (``inlined_reads``), the matmuls of ``addmm`` rewrites run late
+    (``delayed_matmuls``), what a run of loop ops writes lives until the run ends
+    (``outputs_held_through_runs``), and a temporary written over a dying input of its size costs nothing
+    (``written_in_place``). Names and ops are unchanged (some ops read more, some storages are 0 bytes), so
+    plans made on it apply to the graph ``problem`` was built from."""
+    fused = fused_storages(problem, fusible, inlined)
+    held = outputs_held_through_runs(inlined_reads(_allocated(problem, fused), fused), fusible)
+    return written_in_place(held, fusible)  # last: a buffer written over lives as long as what was written
 
 
 def kernel_groups(problem: Problem, fused: Collection[str]) -> tuple[tuple[int, ...], ...]:
@@ -308,7 +395,7 @@ def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], i
     allocated = _allocated(problem, fused)
     # costed before the runs' held outputs are added as reads: a kernel reads its inputs, not those
     timed = kernel_costs(allocated, costs, fused, device, measured=measured)
-    return outputs_held_through_runs(allocated, fusible), timed
+    return written_in_place(outputs_held_through_runs(inlined_reads(allocated, fused), fusible), fusible), timed
 
 
 def partition_peak_bytes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> int:
