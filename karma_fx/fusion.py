@@ -18,6 +18,13 @@ knowing why, and every decision still names a node of the graph the rewrite edit
   maker: an extern kernel (a matmul, a convolution, a fallback or a ``karma`` op) reads a realised buffer, and
   a forward tensor the backward reads is saved by the partition, so it exists between the two graphs.
 
+A fused value is computed inside each kernel that reads it, so what it is computed from is read there, not
+where the graph computed it (``inlined_reads``): a residual block's ReLU mask is inlined into the skip
+connection's gradient sum at the block's end, and the block's output stays allocated until then. Counted
+where the mask was made, a residual CNN's planned backward held one output more per block than its plan (8.26
+MiB measured against 5.26 predicted). Inductor then often writes a kernel's output over such an input, which
+dies there, when the sizes match (``written_in_place``: a log-softmax over the logits it reads again).
+
 One rewrite moves memory the other way: Inductor's post-grad pass turns ``add(mm(a, b), c)`` into
 ``addmm(c, a, b)`` where the add was, so ``a`` and ``b`` live until then (``delayed_matmuls``).
 
@@ -47,8 +54,9 @@ predicted with kernels), and plans believed their copies hid behind compute that
 bandwidth) + one launch`` on the roofline; measured op times (the unfused ops timed one by one) are scaled the
 same way. Each member gets a share of its group's time in proportion to its own unfused time, so the times still
 sum per op and a recompute of part of a chain costs its part. Not modelled, each only lowering the real peak
-below the plan's: Inductor writing a kernel's output in place into an input buffer that dies there
-(``inplace_buffers``), and a realised buffer that later fuses away. Not modelled either: the extern kernels'
+below the plan's: in-place writes over a graph input, a saved activation or within one kernel (only one-phase
+temporaries are taken, so that no plan moves a buffer holding another value), and a realised buffer that later
+fuses away. Not modelled either: the extern kernels'
 own scratch (a CPU flash attention's 37 KB row buffers), counted only with ``costs="measured"`` (measured
 op by op under eager, where a pointwise op that Inductor fuses may have scratch its fused kernel does not:
 an overcount). Inductor's buffer reuse would hold a freed buffer past its last reader: a step that moves
