@@ -188,15 +188,19 @@ class KarmaModule(nn.Module):
         if limit < RECOMPILE_LIMIT:
             dynamo_config.recompile_limit = RECOMPILE_LIMIT
         try:
-            out = self._compiled(*args, **kwargs)
-        except BackendCompilerFailed as exc:
-            inner = getattr(exc, "inner_exception", None)
-            if isinstance(inner, KarmaError):
-                raise inner from None
-            raise UnsupportedModelError(f"karma_fx could not compile the model: {type(inner).__name__}: "
-                                        f"{_first_line(inner)}") from exc
-        except TorchDynamoException as exc:  # Dynamo's own tracing errors (its message says what in the model)
-            raise UnsupportedModelError(f"torch.compile could not trace the model: {_first_line(exc)}") from exc
+            try:
+                out = self._compiled(*args, **kwargs)
+            except BackendCompilerFailed as exc:
+                inner = getattr(exc, "inner_exception", None)
+                if isinstance(inner, KarmaError):
+                    raise inner from None
+                raise UnsupportedModelError(f"karma_fx could not compile the model: {type(inner).__name__}: "
+                                            f"{_first_line(inner)}") from exc
+            except TorchDynamoException as exc:  # Dynamo's own tracing errors (its message says what in it)
+                raise UnsupportedModelError(f"torch.compile could not trace the model: {_first_line(exc)}") from exc
+        except BaseException:
+            session.step_failed()
+            raise
         finally:
             if limit < RECOMPILE_LIMIT:
                 dynamo_config.recompile_limit = limit

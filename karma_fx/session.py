@@ -153,6 +153,12 @@ class Session:
         if measure and self._may_measure_gaps():
             self._between.start(self._signature)
 
+    def step_failed(self) -> None:
+        """The step's forward raised (a budget refused, a model that does not trace): stop measuring it. A
+        profiler session left open past the step (``GapMeter``) crashed the process at exit, after the caller
+        had caught the error (2026-12-02, torch 2.13: a refused budget caught, then a segmentation fault)."""
+        self._between.finish()
+
     def _weights_of(self, tensors: tuple[list[Any], list[Any]]) -> dict[int, int]:
         """Storage -> bytes of these weights and buffers: read again only when the lists are not the ones read
         last (a front door hands the same lists until the model compiles again) or a region compiled since."""

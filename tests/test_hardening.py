@@ -44,3 +44,33 @@ def test_an_optimal_plan_above_its_bound_says_what_the_solver_proved():
     assert "within the solver's model only" in plan.shown_status()
     assert "x the proven lower bound" in plan.table(max_rows=0)
     assert any(n.startswith("OPTIMAL is the solver's proof for the model it solved") for n in plan.notes)
+
+
+_REFUSED_MID_TRAINING = """
+import torch, karma_fx
+from karma_fx.zoo import build, output_to_loss
+model, args, kwargs = build("mlp", "tiny")
+probe = karma_fx.compile(model, budget=1.0)
+output_to_loss(probe(*args, **kwargs)).backward()
+floor = probe.min_budget_bytes
+model.zero_grad(set_to_none=True)
+step = karma_fx.compile(model, budget=floor)
+try:
+    for _ in range(4):  # gradients accumulate: from the second step on, the budget stops fitting
+        output_to_loss(step(*args, **kwargs)).backward()
+except karma_fx.InfeasibleBudgetError:
+    print("refused")
+"""
+
+
+def test_a_budget_refused_mid_training_leaves_a_clean_process():
+    """A refusal raised in a step that is measuring the code between its runs (a profiler session from the
+    step's start) closes that session: left open, the process crashed at exit after the caller had caught the
+    error (segmentation fault, torch 2.13)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _REFUSED_MID_TRAINING], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "KARMA_COMPILER": "eager"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused" in done.stdout
