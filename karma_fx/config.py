@@ -35,9 +35,8 @@ COST_MODELS = ("roofline", "measured")
 COMPILERS = ("eager", "inductor")
 DEFAULT_COMPILER = "eager"
 """Not Inductor yet, though ``torch.compile``'s default is: the budget must hold first, and under Inductor it
-does not on every model yet (``KARMA_COMPILER=inductor python bench/budget_probes.py``, 2026-12-02: a model
-updating views in place peaks up to 7.7% over a 0.9 budget, two others about 1% over; op by op every row
-holds). ``$KARMA_COMPILER`` or ``compiler=`` choose Inductor meanwhile."""
+does not on every model yet (``KARMA_COMPILER=inductor python bench/budget_probes.py``, 2026-12-02: three
+of 21 models peak 0.7-1.0% over a budget at which almost nothing moves; op by op every row holds). ``$KARMA_COMPILER`` or ``compiler=`` choose Inductor meanwhile."""
 
 
 def default_compiler() -> str:
