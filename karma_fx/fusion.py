@@ -241,7 +241,12 @@ def written_in_place(problem: Problem, fusible: Collection[str]) -> Problem:
     its result, which Inductor writes over them. Only a temporary of one phase is taken (never a saved
     activation, a graph input or an output: those are what plans move, and moving a buffer that holds another
     value would not free it), and only by a loop op of the same phase, from a value made outside its own run of
-    loop ops (``loop_runs``): a run is one kernel, and one kernel's outputs do not overwrite each other."""
+    loop ops (``loop_runs``): a run is one kernel, and one kernel's outputs do not overwrite each other.
+
+    Not exact for a graph that swaps tensors out: Inductor compiles it without in-place buffers
+    (``karma_fx.inductor.COPY_SAFE_CONFIG``), so under a plan that offloads in the forward, a forward write
+    counted here as in place is a buffer of its own (the problem is built before any plan, so it cannot tell);
+    the probes that offload held within their budgets (``bench/budget_probes.py``), but this is a known gap."""
     fusible = frozenset(fusible)
     run_of = {k: r for r, run in enumerate(loop_runs(problem, fusible)) for k in run}
     holder: dict[str, str] = {}
