@@ -151,12 +151,10 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
     planned for a named preset, is priced on the preset's roofline (default h100), tensors only.
     ``compiler``: ``"eager"`` (the default, as ``compile``'s, or ``$KARMA_COMPILER``) prices the op-by-op step,
     ``"inductor"`` the step Inductor runs."""
-    from karma_fx.config import COMPILERS, default_compiler
+    from karma_fx.config import resolve_compiler
     from karma_fx.pricing import choose, price
 
-    compiler = default_compiler() if compiler is None else compiler
-    if compiler not in COMPILERS:
-        raise KarmaError(f"compiler must be one of {', '.join(repr(c) for c in COMPILERS)}, got {compiler!r}")
+    compiler = resolve_compiler(compiler)
 
     args, kwargs = _check_call(model, args, kwargs)
     params = list(model.parameters())

@@ -36,7 +36,8 @@ COMPILERS = ("eager", "inductor")
 DEFAULT_COMPILER = "eager"
 """Not Inductor yet, though ``torch.compile``'s default is: the budget must hold first, and under Inductor it
 does not on every model yet (``KARMA_COMPILER=inductor python bench/budget_probes.py``, 2026-12-02: three
-of 21 models peak 0.7-1.0% over a budget at which almost nothing moves; op by op every row holds). ``$KARMA_COMPILER`` or ``compiler=`` choose Inductor meanwhile."""
+of 21 models peak 0.7-1.0% over a budget at which almost nothing moves; op by op every row holds).
+``$KARMA_COMPILER`` or ``compiler=`` choose Inductor meanwhile."""
 
 
 def default_compiler() -> str:
@@ -45,6 +46,15 @@ def default_compiler() -> str:
     compiler = os.environ.get(COMPILER_ENV) or DEFAULT_COMPILER
     if compiler not in COMPILERS:
         raise KarmaError(f"${COMPILER_ENV} must be one of {', '.join(COMPILERS)} or unset, got {compiler!r}")
+    return compiler
+
+
+def resolve_compiler(compiler: Any) -> str:
+    """``compiler`` as asked for (``None``: ``default_compiler()``), or a ``KarmaError`` naming the choices."""
+    if compiler is None:
+        return default_compiler()
+    if not isinstance(compiler, str) or compiler not in COMPILERS:
+        raise KarmaError(f"compiler must be one of {', '.join(repr(c) for c in COMPILERS)}, got {compiler!r}")
     return compiler
 
 
@@ -95,9 +105,8 @@ class KarmaConfig:
         if self.costs is not None and self.costs not in COST_MODELS:
             raise KarmaError(f"costs must be one of {COST_MODELS} or None (the default: measured where the step "
                              f"runs here), got {self.costs!r}")
-        if not isinstance(self.compiler, str) or self.compiler not in COMPILERS:
-            raise KarmaError(f"compiler must be one of {', '.join(repr(c) for c in COMPILERS)}, got "
-                             f"{self.compiler!r}")
+        if self.compiler is None or resolve_compiler(self.compiler) != self.compiler:  # None: only ``make``'s
+            raise KarmaError(f"compiler must be one of {', '.join(repr(c) for c in COMPILERS)}, got None")
         cache = self.plan_cache if self.plan_cache is not None else os.environ.get(PLAN_CACHE_ENV) or None
         if cache is not None and not isinstance(cache, (str, os.PathLike)):
             raise KarmaError(f"plan_cache must be a directory path, got {cache!r}")
@@ -111,7 +120,7 @@ class KarmaConfig:
         return cls(budget=Budget.of(budget), strategy=DEFAULT_STRATEGY if strategy is None else strategy,
                    device=get_device(device), offload_weights=offload_weights, time_limit_s=time_limit_s,
                    plan_cache=plan_cache, costs=costs, device_named=device is not None,
-                   compiler=default_compiler() if compiler is None else compiler)
+                   compiler=resolve_compiler(compiler))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "KarmaConfig":

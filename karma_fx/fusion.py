@@ -296,8 +296,15 @@ def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collec
     (``written_in_place``). Names and ops are unchanged (some ops read more, some storages are 0 bytes), so
     plans made on it apply to the graph ``problem`` was built from."""
     fused = fused_storages(problem, fusible, inlined)
-    held = outputs_held_through_runs(inlined_reads(_allocated(problem, fused), fused), fusible)
-    return written_in_place(held, fusible)  # last: a buffer written over lives as long as what was written
+    return _as_kernels_hold_it(_allocated(problem, fused), fused, fusible)
+
+
+def _as_kernels_hold_it(allocated: Problem, fused: frozenset[str], fusible: Collection[str]) -> Problem:
+    """``allocated`` (fused storages at 0 bytes) with the lifetimes Inductor's kernels give: sources read where
+    a fused value is inlined, a run's outputs held to its end, and, last, buffers written over (a buffer written
+    over lives as long as what was written into it)."""
+    held = outputs_held_through_runs(inlined_reads(allocated, fused), fusible)
+    return written_in_place(held, fusible)
 
 
 def kernel_groups(problem: Problem, fused: Collection[str]) -> tuple[tuple[int, ...], ...]:
@@ -408,7 +415,7 @@ def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], i
     allocated = _allocated(problem, fused)
     # costed before the runs' held outputs are added as reads: a kernel reads its inputs, not those
     timed = kernel_costs(allocated, costs, fused, device, measured=measured)
-    return written_in_place(outputs_held_through_runs(inlined_reads(allocated, fused), fusible), fusible), timed
+    return _as_kernels_hold_it(allocated, fused, fusible), timed
 
 
 def partition_peak_bytes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> int:
