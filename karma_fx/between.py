@@ -6,9 +6,11 @@ Two things about it are learnt once per sequence of runs (a sequence is the regi
 * **what it allocates** (``gaps``): the eager code at a graph break, after run ``k`` until run ``k + 1``, and the
   loss head after the last run until the backward begins (``F.cross_entropy(step(x), y)``: the log-softmax of the
   logits and its gradient). Measured by a ``karma_fx.measure_run.GapMeter`` over one whole step, started where the
-  front door begins a step (outside every compiled region) and stopped when that step's backward call returns;
-  guessed until then (``loss_head_guess``), and wherever it cannot be measured: under the raw backend (no step
-  boundary outside the regions), with worker threads of ours beside the step, on a GPU.
+  step begins (the front door, before its first run; the raw backend, as its first run starts) and stopped when
+  that step's backward call returns, outside every compiled region; guessed until then (``loss_head_guess``),
+  and wherever it cannot be measured: with worker threads of ours beside the step, on a GPU.
+* **how far the whole step climbed**, from the same measurement, handed to the session, which compares it with
+  the step its plans predicted (``karma_fx.margin``).
 * **which outputs of the last run the caller keeps** into the backward (``kept``): HF models return their logits
   beside the loss, and a loop that only backpropagates the loss lets them go before the backward. Watched with
   storage weak references, which cost nothing and work everywhere.
@@ -70,20 +72,24 @@ class Between:
         return self.kept.get(signature)
 
     # ---- measuring ----------------------------------------------------------------------------------------
-    def start(self, ran: Callable[[], Signature]) -> None:
-        """Measure the code between the compiled calls of the step about to begin. Call it only outside every
-        compiled region, and only where no worker thread of ours runs beside the step (a profiler session that
+    def start(self, ran: Callable[[], Signature], climbed: Callable[[int], None] = lambda _: None) -> None:
+        """Measure the code between the compiled calls of the step about to begin. Call it before the step's
+        first compiled call allocates, and only where no worker thread of ours runs beside the step (a profiler session that
         such threads allocate under crashed the process when it stopped) and not on a GPU (its backward runs on
-        the autograd engine's thread). ``ran`` says which sequence the step ran, when the meter stops."""
+        the autograd engine's thread). ``ran`` says which sequence the step ran, when the meter stops;
+        ``climbed`` then gets how far the whole step climbed above what it began with (after the gaps are
+        learnt), where the meter saw it all."""
         from karma_fx.measure_run import GapMeter
 
-        def learn(gaps: dict[int, int]) -> None:
+        def learn(gaps: dict[int, int], climb: int) -> None:
             signature = ran()
             for k, nbytes in gaps.items():
                 if k < len(signature):
                     key = signature[:k + 1]
                     self.gaps[key] = max(self.gaps.get(key, 0), nbytes)
                     self.remeasured = True
+            if climb:
+                climbed(climb)
 
         meter = GapMeter("cpu", done=learn)
         if meter.start():

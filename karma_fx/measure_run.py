@@ -175,12 +175,13 @@ class GapMeter:
     It starts only where nothing else profiles. ``AllocatorPeak`` stops a running one first; a region that
     compiles under it cannot measure its scratch and is measured again later (``karma_fx.session``)."""
 
-    def __init__(self, device: str = "cpu", done: "Callable[[dict[int, int]], None] | None" = None) -> None:
+    def __init__(self, device: str = "cpu", done: "Callable[[dict[int, int], int], None] | None" = None) -> None:
         self.device = device
         self.done = done
         self._prof: Any = None
         self._thread = 0
         self._watch: Any = None
+        self._whole_step = False
 
     @property
     def running(self) -> bool:
@@ -220,6 +221,7 @@ class GapMeter:
 
         def watch(frame: Any, event: str, arg: Any) -> None:
             if event == "return" and frame.f_code in watched:
+                self._whole_step = True
                 self.stop()
 
         self._watch = watch
@@ -228,7 +230,9 @@ class GapMeter:
 
     def stop(self) -> dict[int, int]:
         """Per run ``k``: the gap after it, for each gap whose end was marked (none from another thread than
-        the one that started the meter)."""
+        the one that started the meter). ``done`` also gets the highest running sum over the whole session (the
+        step's climb above what was allocated when it began), where the session spanned the step up to its
+        backward's return; else 0 (stopped early, or late: after the caller's optimizer)."""
         import sys
         import threading
 
@@ -243,7 +247,7 @@ class GapMeter:
         prof.__exit__(None, None, None)
         gaps: dict[int, int] = {}
         open_at: dict[int, tuple[int, int]] = {}  # run -> (running sum at its begin marker, highest since)
-        running = 0
+        running = climb = 0
         for _, nbytes in _memory_deltas(prof, self.device.upper()):
             size = abs(nbytes)
             if size >= BEGIN_BYTES and (size - BEGIN_BYTES) % 2 == 0 and (size - BEGIN_BYTES) // 2 < 1 << 16:
@@ -258,11 +262,13 @@ class GapMeter:
                     gaps[k] = peak - base
                 continue
             running += nbytes
+            climb = max(climb, running)
             for k, (base, peak) in open_at.items():
                 if running > peak:
                     open_at[k] = (base, running)
-        if self.done is not None and gaps:
-            self.done(gaps)
+        climb = climb if self._whole_step else 0
+        if self.done is not None and (gaps or climb):
+            self.done(gaps, climb)
         return gaps
 
 

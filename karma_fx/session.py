@@ -15,7 +15,10 @@ an earlier micro-batch (accumulation), the batch, and what the code between the 
 (the loss head after the last forward, measured once per sequence of runs: ``karma_fx.measure_run.GapMeter``).
 A fraction is a fraction of that step unplanned, and it grows with it: the budget in bytes is the fraction of
 the largest unplanned step seen (a larger batch, gradients now held), never less, so ``budget=1.0`` always
-fits what runs. Dynamo and AOTAutograd stay in ``karma_fx.backend``; this module only accounts and decides.
+fits what runs. The step that measured the loss head is also compared, whole, with the step its plans
+predicted: where it broke the budget, the difference is kept as a margin and the plans are chosen again
+(``karma_fx.margin``); where it moved nothing, it is the unplanned step a fraction is of. Dynamo and
+AOTAutograd stay in ``karma_fx.backend``; this module only accounts and decides.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch.nn as nn
 from karma_fx.budget import format_bytes
 from karma_fx.config import KarmaConfig
 from karma_fx.errors import KarmaError
+from karma_fx.margin import Margins
 from karma_fx.plan import Plan
 from karma_fx.between import Between
 from karma_fx.refusal import refusal
@@ -108,6 +112,7 @@ class Session:
         self._saw_backward = False
         self._started = False
         self._between = Between()
+        self._margins = Margins()
         self._unplanned_bytes = 0
         self._firm_unplanned = 0
         self._guessed_unplanned = 0
@@ -118,13 +123,14 @@ class Session:
         self._weights_base: dict[int, int] = {}
 
     # ---- steps ------------------------------------------------------------------------------------------
-    def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None,
-                   outside: bool = False) -> None:
+    def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None) -> None:
         """A new training step starts: the front door calls this with the model's parameters and buffers it
-        has already walked, ``outside`` any compiled region (where the code between the runs can be measured:
-        ``GapMeter``); the raw backend when a run follows a backward."""
+        has already walked, outside any compiled region; the raw backend as the step's first run starts (the
+        run after a backward). Either may measure the step (``GapMeter``): it is stopped when the backward
+        returns, outside every region, where stopping a profiler is safe."""
         self._between.finish()
-        measure = outside and bool(self._calls) and self._between.unknown(self._signature())
+        measure = bool(self._calls) and (self._between.unknown(self._signature())
+                                         or self._margins.due(self._signature()))
         if self._calls:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
@@ -151,7 +157,31 @@ class Session:
             self.budget_bytes is not None and self._previous_peak() <= self.budget_bytes
         self._between.remeasured = False
         if measure and self._may_measure_gaps():
-            self._between.start(self._signature)
+            self._between.start(self._signature, self._climbed)
+
+    def _climbed(self, climb: int) -> None:
+        """A measured step climbed ``climb`` bytes above what it began with: where that broke the budget, keep
+        what it peaked above its plans as a margin for every plan chosen from now (``karma_fx.margin``)."""
+        calls = self._calls
+        if not calls:
+            return
+        signature = self._signature(calls)
+        measured = self._persistent_bytes() + climb
+        if self.config.budget.fraction is not None and all(c.variant is c.region.keep for c in calls):
+            # nothing moved: this is the unplanned step a fraction is of, measured (where the compiled kernels
+            # peak above their model, ``budget=1.0`` must still be the step as it runs)
+            if measured > self._firm_unplanned:
+                self._firm_unplanned = measured
+                self._between.remeasured = True
+            return
+        planned = self._sequence_peak([c.view for c in calls], calls, margin=False)
+        if self._margins.learn(signature, measured, planned, self.budget_bytes):
+            assert self.budget_bytes is not None
+            self._between.remeasured = True  # choose the plans again at the next step
+            log.warning("karma_fx: a step peaked at %s, over the budget of %s and %s above its plans (a model "
+                        "of the compiled kernels that falls short); its plans are chosen again with that margin",
+                        format_bytes(measured), format_bytes(self.budget_bytes),
+                        format_bytes(measured - planned))
 
     def step_failed(self) -> None:
         """The step's forward raised (a budget refused, a model that does not trace): stop measuring it. A
@@ -201,7 +231,8 @@ class Session:
         """The previous step's peak if this one repeats it, as the ledger counts it now (cached while what it
         depends on stays: the same runs and variants, the same persistent bytes)."""
         assert self._previous is not None
-        key = (tuple(id(c.variant) for c in self._previous), self._persistent_bytes())
+        key = (tuple(id(c.variant) for c in self._previous), self._persistent_bytes(),
+               self._margins.of(self._signature(self._previous)))
         if self._previous_peak_cache is None or self._previous_peak_cache[0] != key:
             peak = self._sequence_peak([c.view for c in self._previous], self._previous)
             self._previous_peak_cache = (key, peak)
@@ -371,9 +402,12 @@ class Session:
             return None
         return prev[k + 1:]
 
-    def _sequence_peak(self, views: list[Run], calls: list[_Call]) -> int:
+    def _sequence_peak(self, views: list[Run], calls: list[_Call], margin: bool = True) -> int:
+        """The step's peak with ``views`` for its runs; with the margin its measured steps showed above their
+        plans (``karma_fx.margin``) unless ``margin`` is off (the unplanned step a fraction is of)."""
         signature = tuple(c.region.index for c in calls)
-        return Step(self._persistent_bytes(), tuple(views), tuple(self._gap_list(views, signature))).peak_bytes
+        base = self._persistent_bytes() + (self._margins.of(signature) if margin else 0)
+        return Step(base, tuple(views), tuple(self._gap_list(views, signature))).peak_bytes
 
     def _replay(self, region: Region) -> Variant | None:
         """The previous step's variant for this run, when this step repeats that step so far and it fit."""
@@ -439,8 +473,9 @@ class Session:
         besides it in its forward and in its backward, whichever is more."""
         empty = replace(keep.fp, fwd_peak_bytes=0, bwd_peak_bytes=0, internal_held_bytes=0)
         views = sequence(empty)
-        step = Step(self._persistent_bytes(), tuple(views), tuple(self._gap_list(views, tuple(
-            c.region.index for c in calls))))
+        signature = tuple(c.region.index for c in calls)
+        step = Step(self._persistent_bytes() + self._margins.of(signature), tuple(views),
+                    tuple(self._gap_list(views, signature)))
         k = len(self._calls)
         around = [p.device_bytes for p in step.phases if p.run == k and p.stage in ("forward", "backward")]
         return budget - max(around, default=0)
@@ -450,7 +485,7 @@ class Session:
         held), or of this one where it is larger still. A step whose code between the runs is not measured yet
         counts a guess for it (``LOSS_HEAD_GUESS``), which the measurement then replaces, so the budget in bytes
         may come down once, never below the largest step measured."""
-        whole = self._sequence_peak(unplanned, calls)
+        whole = self._sequence_peak(unplanned, calls, margin=False)
         signature = tuple(c.region.index for c in calls)
         if not self._between.unknown(signature):
             self._firm_unplanned = max(self._firm_unplanned, whole)
@@ -481,8 +516,9 @@ class Session:
         rest = [replace(c.view, fp=self._leanest(c.region).fp) for c in later or []]
         views = leanest + [replace(self._pending_view, fp=lean.fp)] + rest
         regions = [c.region for c in calls]
+        margin = self._margins.of(tuple(r.index for r in regions))
         raise refusal(strategy=_name(self.config.strategy), budget_bytes=self.budget_bytes, views=views,
-                      regions=regions, base=self._persistent_bytes(),
+                      regions=regions, base=self._persistent_bytes() + margin,
                       gaps=self._gap_list(views, tuple(r.index for r in regions)), leanest=self._leanest,
                       unplanned=self._unplanned_bytes, held_grad_bytes=self._held_grad_bytes(),
                       partial=later is None and not self._calls)
@@ -500,7 +536,7 @@ class Session:
                              "are made for concrete inputs")
         keep = [replace(c.view, fp=self._keep(c.region).fp) for c in calls]
         lean = [replace(c.view, fp=self._leanest(c.region).fp) for c in calls]
-        return (self._sequence_peak([c.view for c in calls], calls), self._sequence_peak(keep, calls),
+        return (self._sequence_peak([c.view for c in calls], calls), self._sequence_peak(keep, calls, margin=False),
                 self._sequence_peak(lean, calls))
 
     # ---- variants ---------------------------------------------------------------------------------------
