@@ -1,10 +1,23 @@
 """The comparison users would make, measured: karma_fx against PyTorch's own ways of saving activation memory, at
-equal allocator-measured peak, on medium CPU models whose ops take a millisecond or more (issue 12, item 6).
+equal allocator-measured peak, on medium CPU models whose ops take a millisecond or more.
 
-    python bench/versus_torch.py                                   # both models, --steps 3: ~10 min on 2 cores
+    python bench/versus_torch.py                                   # at PyTorch's points, Inductor both sides
+    python bench/versus_torch.py --models gpt-4x512 --ratios 1.0,0.5,0.0 --rounds 7
+    python bench/versus_torch.py --mode sweep                      # the older sweep, described below
     python bench/versus_torch.py --models resnet18-64px --budgets 0.8,0.6 --ratios 1.0,0.5,0.0
     python bench/versus_torch.py --backends aot_eager,inductor     # also the budget partitioner under Inductor
     python bench/versus_torch.py --karma-compilers inductor --backends inductor   # both sides under Inductor
+
+Default (``--mode points``), the bar a user checks first: ``torch.compile(model)`` (Inductor) with
+``torch._functorch.config.activation_memory_budget`` at each of ``--ratios``. Per ratio, in one process with a
+reset Dynamo: PyTorch's step is compiled under that ratio and its steady-state peak measured
+(``AllocatorPeak``); karma (``compiler="inductor"``, measured costs) is compiled with that peak as its budget
+in bytes and trained ``--settle`` steps (it measures its step and plans again where the step broke the budget:
+``karma_fx.margin``); karma's steady peak is measured; then the two are timed interleaved, one step of each in
+turn for ``--rounds`` rounds, and the ratio of the medians printed (absolute times drift by several percent over
+minutes on a shared machine; their ratio within one process does not). One more row sets karma at
+``budget=1.0`` against plain ``torch.compile``. The floors: PyTorch's lowest measured peak over the ratios, and
+karma's (a budget of 1 KiB is refused naming the smallest total; karma is trained and measured at it).
 
 Models: a 4-layer d=512 GPT at sequence 512 (batch 2, vocab 2048) and a ResNet-18 (basic blocks [2, 2, 2, 2],
 width 64) on 64x64 images, batch 32. Every configuration gets a fresh model and a reset Dynamo, is run twice
@@ -15,7 +28,7 @@ before the step; gradients are dropped before each step, so they count). Where c
 one more step with synchronous copies gives the peak where the plan frees (the two agree: compute waits for each
 swap-out where the plan has it landed, so a copy that lags behind costs a stall, not memory).
 
-Configurations:
+Configurations of ``--mode sweep``:
 
 * ``eager``: the unplanned step, op by op.
 * ``karma <strategy> <t>``: ``karma_fx.compile(model, budget=B, strategy=..., costs="measured")``, with ``B``
@@ -122,6 +135,7 @@ def resnet18(batch: int = 32, image: int = 64) -> tuple[nn.Module, tuple, dict]:
 MODELS: dict[str, Callable[[], tuple[nn.Module, tuple, dict]]] = {
     "gpt-4x512": lambda: build("megatron_gpt", "tiny", batch=2, seq=512, layers=4, hidden=512, heads=8, vocab=2048),
     "resnet18-64px": resnet18,
+    "mlp-tiny": lambda: build("mlp", "tiny"),  # a quick check of the bench itself, not a comparison
 }
 
 
@@ -337,8 +351,98 @@ def tables(name: str, families: dict[str, list[Point]], tolerance: float) -> str
     return "\n".join(out)
 
 
+def _settled(model: nn.Module, step: Callable, args: tuple, kwargs: dict, steps: int) -> Callable[[], None]:
+    """One training step of ``step`` as a callable, after ``steps`` of them (compiles, karma's measuring)."""
+    def one() -> None:
+        output_to_loss(step(*args, **kwargs)).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(steps):
+        one()
+    return one
+
+
+def interleaved(steps: list[Callable[[], None]], rounds: int) -> list[float]:
+    """Median ms of each of ``steps``, timed one after the other in turn for ``rounds`` rounds."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for one, spent in zip(steps, times):
+            gc.collect()
+            start = time.perf_counter()
+            one()
+            spent.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def _karma_at(name: str, budget: Any, a: argparse.Namespace) -> tuple[nn.Module, Callable, tuple, dict]:
+    model, args, kwargs = MODELS[name]()
+    step = karma_fx.compile(model, budget=budget, compiler="inductor", costs="measured",
+                            time_limit_s=a.time_limit)
+    return model, step, args, kwargs
+
+
+def at_their_points(name: str, a: argparse.Namespace) -> str:
+    """``--mode points``: PyTorch's Inductor step at each ratio, karma at its measured peak, timed interleaved."""
+    from torch._functorch import config as functorch_config
+
+    from karma_fx.runtime import copy_mode
+
+    rows, theirs_lowest = [], None
+    points = [(f"r={r}", float(r)) for r in a.ratios.split(",")] + [("budget=1.0", None)]
+    for knob, ratio in points:
+        with _fresh(name) as (model, args, kwargs):
+            theirs = torch.compile(model, backend="inductor", dynamic=False)
+            with functorch_config.patch(activation_memory_budget=1.0 if ratio is None else ratio):
+                their_step = _settled(model, theirs, args, kwargs, 2)
+            their_peak = measure_step_peak(model, theirs, args, kwargs, output_to_loss).peak_bytes
+            if ratio is not None and (theirs_lowest is None or their_peak < theirs_lowest[1]):
+                theirs_lowest = (knob, their_peak)
+            mine_model, mine, margs, mkwargs = _karma_at(name, 1.0 if ratio is None else their_peak, a)
+            try:
+                my_step = _settled(mine_model, mine, margs, mkwargs, a.settle)
+            except InfeasibleBudgetError as e:
+                rows.append([knob, f"{their_peak / MIB:.2f}", "-", f"refused: smallest {e.min_budget_bytes / MIB:.2f}"
+                             if e.min_budget_bytes else "refused", "-", "-", "-"])
+                print(f"  {name} {knob}: {rows[-1]}", flush=True)
+                continue
+            my_peak = measure_step_peak(mine_model, mine, margs, mkwargs, output_to_loss).peak_bytes
+            with copy_mode(a.copies):
+                my_step()  # the copy engine as timed, settled
+                their_ms, my_ms = interleaved([their_step, my_step], a.rounds)
+            moves = len(mine.plan.decisions)
+            rows.append([knob, f"{their_peak / MIB:.2f}", f"{their_ms:.1f}", f"{my_peak / MIB:.2f}", f"{my_ms:.1f}",
+                         f"{my_ms / their_ms:.3f}", f"{my_peak / their_peak - 1:+.1%}", moves])
+            print(f"  {name} {knob}: {rows[-1]}", flush=True)
+    floor = ["karma's lowest", "-", "-", "-", "-", "-", "-", "-"]
+    try:
+        with _fresh(name):
+            model, step, args, kwargs = _karma_at(name, 1024, a)
+            _settled(model, step, args, kwargs, 1)
+    except InfeasibleBudgetError as e:
+        named = e.min_budget_bytes
+        with _fresh(name):
+            model, step, args, kwargs = _karma_at(name, named, a)
+            try:
+                _settled(model, step, args, kwargs, a.settle)
+                peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
+                floor = ["karma's lowest", "-", "-", f"{peak / MIB:.2f}", "-", "-",
+                         f"budget {named / MIB:.2f}", len(step.plan.decisions)]
+            except InfeasibleBudgetError as again:
+                floor[3] = f"refused again at {named / MIB:.2f}: {again.min_budget_bytes / MIB:.2f}"
+    out = [f"## {name} (Inductor both sides; karma's budget: PyTorch's measured peak at each point)", "",
+           tabulate(rows + [floor], headers=["PyTorch", "peak MiB", "ms", "karma peak MiB", "karma ms",
+                                             "karma / PyTorch time", "karma peak vs theirs", "karma moves"],
+                    tablefmt="github")]
+    if theirs_lowest is not None:
+        out.append(f"\nPyTorch's lowest: {theirs_lowest[1] / MIB:.2f} MiB ({theirs_lowest[0]})")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="points", choices=("points", "sweep"),
+                   help="points: karma at PyTorch's Inductor points (default); sweep: every family at its own knobs")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--strategies", default="cpsat", help="karma strategies, e.g. cpsat,karma")
     p.add_argument("--karma-compilers", default="eager",
@@ -347,7 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.75,0.5,0.25,0.0",
                    help="karma budgets, as positions between the compiled step's lowest reachable peak (0) and "
                         "its unplanned peak (1)")
-    p.add_argument("--ratios", default="1.0,0.8,0.6,0.4,0.2,0.0", help="activation_memory_budget values")
+    p.add_argument("--ratios", default="1.0,0.6,0.3,0.0", help="activation_memory_budget values")
+    p.add_argument("--rounds", type=int, default=7, help="--mode points: interleaved timing rounds")
+    p.add_argument("--settle", type=int, default=6,
+                   help="--mode points: karma steps before measuring (compile, its own measuring, a re-plan)")
     p.add_argument("--backends", default="aot_eager",
                    help="torch.compile backends for the ratio sweep: aot_eager, aot_eager_decomp_partition, inductor")
     p.add_argument("--copies", default="threads", choices=("threads", "sync"), help="CPU copy engine")
@@ -367,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
 
         keep_freed_host_memory()
     for name in a.models.split(","):
-        print(tables(name, sweep(name, a), a.tolerance), flush=True)
+        print(at_their_points(name, a) if a.mode == "points" else tables(name, sweep(name, a), a.tolerance),
+              flush=True)
         print()
     return 0
 
