@@ -6,9 +6,9 @@ Two things about it are learnt once per sequence of runs (a sequence is the regi
 * **what it allocates** (``gaps``): the eager code at a graph break, after run ``k`` until run ``k + 1``, and the
   loss head after the last run until the backward begins (``F.cross_entropy(step(x), y)``: the log-softmax of the
   logits and its gradient). Measured by a ``karma_fx.measure_run.GapMeter`` over one whole step, started where the
-  step begins (the front door, before its first run; the raw backend, as its first run starts) and stopped when
-  that step's backward call returns, outside every compiled region; guessed until then (``loss_head_guess``),
-  and wherever it cannot be measured: with worker threads of ours beside the step, on a GPU.
+  front door begins a step (outside every compiled region) and stopped when that step's backward call returns;
+  guessed until then (``loss_head_guess``), and wherever it cannot be measured: under the raw backend (no step
+  boundary outside the regions), with worker threads of ours beside the step, on a GPU.
 * **how far the whole step climbed**, from the same measurement, handed to the session, which compares it with
   the step its plans predicted (``karma_fx.margin``).
 * **which outputs of the last run the caller keeps** into the backward (``kept``): HF models return their logits

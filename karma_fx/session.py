@@ -123,14 +123,14 @@ class Session:
         self._weights_base: dict[int, int] = {}
 
     # ---- steps ------------------------------------------------------------------------------------------
-    def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None) -> None:
+    def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None,
+                   outside: bool = False) -> None:
         """A new training step starts: the front door calls this with the model's parameters and buffers it
-        has already walked, outside any compiled region; the raw backend as the step's first run starts (the
-        run after a backward). Either may measure the step (``GapMeter``): it is stopped when the backward
-        returns, outside every region, where stopping a profiler is safe."""
+        has already walked, ``outside`` any compiled region (where the step can be measured: ``GapMeter``); the
+        raw backend when a run follows a backward."""
         self._between.finish()
-        measure = bool(self._calls) and (self._between.unknown(self._signature())
-                                         or self._margins.due(self._signature()))
+        measure = outside and bool(self._calls) and (self._between.unknown(self._signature())
+                                                     or self._margins.due(self._signature()))
         if self._calls:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays

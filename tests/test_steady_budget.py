@@ -241,11 +241,10 @@ def test_hf_t5_is_measured_and_trains_as_eager():
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("door", ["compile", "backend"])
+@pytest.mark.parametrize("door", ["compile"])
 def test_the_loss_head_is_measured_once_and_counted(door):
     """A model returning logits, cross-entropy taken outside: the code after the forward climbs by about twice
-    the logits (their log-softmax, its gradient); karma measures it on the step after the compile (the raw
-    backend too, from its step's first run), and the step it predicts is the one the allocator sees."""
+    the logits (their log-softmax, its gradient); karma measures it on the step after the compile, and the step it predicts is the one the allocator sees."""
     torch.manual_seed(0)
     model = probes.SmallLM()
     ids = torch.randint(0, 512, (8, 64))
