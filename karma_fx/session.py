@@ -163,7 +163,7 @@ class Session:
         """A measured step climbed ``climb`` bytes above what it began with: where that broke the budget, keep
         what it peaked above its plans as a margin for every plan chosen from now (``karma_fx.margin``)."""
         calls = self._calls
-        if not calls:
+        if not calls or self.config.strategy != DEFAULT_STRATEGY:  # a strategy asked for by name plans as asked
             return
         signature = self._signature(calls)
         measured = self._persistent_bytes() + climb
