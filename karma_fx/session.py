@@ -406,8 +406,12 @@ class Session:
         """The step's peak with ``views`` for its runs; with the margin its measured steps showed above their
         plans (``karma_fx.margin``) unless ``margin`` is off (the unplanned step a fraction is of)."""
         signature = tuple(c.region.index for c in calls)
-        base = self._persistent_bytes() + (self._margins.of(signature) if margin else 0)
-        return Step(base, tuple(views), tuple(self._gap_list(views, signature))).peak_bytes
+        return Step(self._base_bytes(signature, margin), tuple(views),
+                    tuple(self._gap_list(views, signature))).peak_bytes
+
+    def _base_bytes(self, signature: tuple[int, ...], margin: bool = True) -> int:
+        """What the step holds all through: the persistent bytes, and the margin of ``signature``."""
+        return self._persistent_bytes() + (self._margins.of(signature) if margin else 0)
 
     def _replay(self, region: Region) -> Variant | None:
         """The previous step's variant for this run, when this step repeats that step so far and it fit."""
@@ -474,7 +478,7 @@ class Session:
         empty = replace(keep.fp, fwd_peak_bytes=0, bwd_peak_bytes=0, internal_held_bytes=0)
         views = sequence(empty)
         signature = tuple(c.region.index for c in calls)
-        step = Step(self._persistent_bytes() + self._margins.of(signature), tuple(views),
+        step = Step(self._base_bytes(signature), tuple(views),
                     tuple(self._gap_list(views, signature)))
         k = len(self._calls)
         around = [p.device_bytes for p in step.phases if p.run == k and p.stage in ("forward", "backward")]
@@ -516,9 +520,8 @@ class Session:
         rest = [replace(c.view, fp=self._leanest(c.region).fp) for c in later or []]
         views = leanest + [replace(self._pending_view, fp=lean.fp)] + rest
         regions = [c.region for c in calls]
-        margin = self._margins.of(tuple(r.index for r in regions))
         raise refusal(strategy=_name(self.config.strategy), budget_bytes=self.budget_bytes, views=views,
-                      regions=regions, base=self._persistent_bytes() + margin,
+                      regions=regions, base=self._base_bytes(tuple(r.index for r in regions)),
                       gaps=self._gap_list(views, tuple(r.index for r in regions)), leanest=self._leanest,
                       unplanned=self._unplanned_bytes, held_grad_bytes=self._held_grad_bytes(),
                       partial=later is None and not self._calls)

@@ -241,30 +241,25 @@ def test_hf_t5_is_measured_and_trains_as_eager():
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("door", ["compile"])
-def test_the_loss_head_is_measured_once_and_counted(door):
+def test_the_loss_head_is_measured_once_and_counted():
     """A model returning logits, cross-entropy taken outside: the code after the forward climbs by about twice
-    the logits (their log-softmax, its gradient); karma measures it on the step after the compile, and the step it predicts is the one the allocator sees."""
+    the logits (their log-softmax, its gradient); karma measures it on the step after the compile, and the
+    step it predicts is the one the allocator sees."""
     torch.manual_seed(0)
     model = probes.SmallLM()
     ids = torch.randint(0, 512, (8, 64))
-    if door == "compile":
-        step = karma_fx.compile(model, budget=0.8, time_limit_s=2)
-        session = lambda: step._session  # noqa: E731
-    else:
-        step, session = _compiled(model, door, 0.8)
+    step = karma_fx.compile(model, budget=0.8, time_limit_s=2)
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         F.cross_entropy(step(ids).flatten(0, 1), ids.flatten()).backward()
     logits = 8 * 64 * 512 * 4
-    (gap,) = session()._between.gaps.values()
+    (gap,) = step._session._between.gaps.values()
     assert 1.9 * logits <= gap <= 2.2 * logits, gap
     model.zero_grad(set_to_none=True)
     with AllocatorPeak(model.parameters(), ids) as meter:
         F.cross_entropy(step(ids).flatten(0, 1), ids.flatten()).backward()
-    predicted = session().step_figures()[0]
-    assert meter.peak_bytes <= session().budget_bytes
-    assert abs(meter.peak_bytes - predicted) <= 64, (meter.peak_bytes, predicted)
+    assert meter.peak_bytes <= step.plan.budget_bytes
+    assert abs(meter.peak_bytes - step.predicted_peak_bytes) <= 64, (meter.peak_bytes, step.predicted_peak_bytes)
 
 
 def test_a_compiled_module_pickles():
