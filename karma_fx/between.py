@@ -10,7 +10,9 @@ Two things about it are learnt once per sequence of runs (a sequence is the regi
   guessed until then (``loss_head_guess``), and wherever it cannot be measured: under the raw backend (no step
   boundary outside the regions), with worker threads of ours beside the step, on a GPU.
 * **how far the whole step climbed**, from the same measurement, handed to the session, which compares it with
-  the step its plans predicted (``karma_fx.margin``).
+  the step its plans predicted (``karma_fx.margin``). The raw backend measures this alone (``gaps=False``):
+  its meter starts inside the step's first run, after the code before it, so what it would say of the gaps
+  between runs is not the gaps a planned step sees, but the climb from there to the step's peak is.
 * **which outputs of the last run the caller keeps** into the backward (``kept``): HF models return their logits
   beside the loss, and a loop that only backpropagates the loss lets them go before the backward. Watched with
   storage weak references, which cost nothing and work everywhere.
@@ -72,18 +74,19 @@ class Between:
         return self.kept.get(signature)
 
     # ---- measuring ----------------------------------------------------------------------------------------
-    def start(self, ran: Callable[[], Signature], climbed: Callable[[int], None] = lambda _: None) -> None:
+    def start(self, ran: Callable[[], Signature], climbed: Callable[[int], None] = lambda _: None,
+              gaps: bool = True) -> None:
         """Measure the code between the compiled calls of the step about to begin. Call it before the step's
         first compiled call allocates, and only where no worker thread of ours runs beside the step (a profiler session that
         such threads allocate under crashed the process when it stopped) and not on a GPU (its backward runs on
         the autograd engine's thread). ``ran`` says which sequence the step ran, when the meter stops;
         ``climbed`` then gets how far the whole step climbed above what it began with (after the gaps are
-        learnt), where the meter saw it all."""
+        learnt), where the meter saw it all; ``gaps=False`` learns only that climb."""
         from karma_fx.measure_run import GapMeter
 
-        def learn(gaps: dict[int, int], climb: int) -> None:
+        def learn(measured: dict[int, int], climb: int) -> None:
             signature = ran()
-            for k, nbytes in gaps.items():
+            for k, nbytes in (measured.items() if gaps else ()):
                 if k < len(signature):
                     key = signature[:k + 1]
                     self.gaps[key] = max(self.gaps.get(key, 0), nbytes)

@@ -41,6 +41,12 @@ class Margins:
     first step under new plans may compile them and fill the host pool for new offloads (allocations a steady
     step does not make)."""
 
+    steady: set[Signature] = field(default_factory=set)
+    """Sequences of which a whole step was measured in which every plan had run before (a plan's first run
+    allocates what later runs reuse, the host buffers of its offloads: its climb says nothing of the plans)."""
+    tries: dict[Signature, int] = field(default_factory=dict)
+    """Steps of each sequence measured while none was yet measured steady."""
+
     def of(self, signature: Signature) -> int:
         return self.bytes_of.get(signature, 0)
 
@@ -55,6 +61,14 @@ class Margins:
         del self.pending[signature]
         self.checks[signature] = self.checks.get(signature, 0) + 1
         return True
+
+    def wanted(self, signature: Signature) -> bool:
+        """A step of ``signature`` begins: whether to measure it, because no steady step of it has been measured
+        yet (up to ``MAX_CHECKS`` tries) or a margin is ``due``. Asked once per step."""
+        if signature not in self.steady and self.tries.get(signature, 0) < MAX_CHECKS:
+            self.tries[signature] = self.tries.get(signature, 0) + 1
+            return True
+        return self.due(signature)
 
     def learn(self, signature: Signature, measured: int, planned: int, budget: int | None) -> bool:
         """A measured step of ``signature`` peaked at ``measured`` bytes where its plans, without any margin,

@@ -40,6 +40,7 @@ from karma_fx.refusal import refusal
 from karma_fx.regions import Footprint, Run, Step
 from karma_fx.run_choice import Candidate, choose_plan
 from karma_fx.strategies import DEFAULT_STRATEGY
+from karma_fx.runtime import host_pool
 from karma_fx.variants import Region, Variant, keep_variant, leanest_variant, planned_variant
 
 log = logging.getLogger("karma_fx.session")
@@ -113,6 +114,9 @@ class Session:
         self._started = False
         self._between = Between()
         self._margins = Margins()
+        self._fresh_runs = 0
+        """Runs of a variant that had not run before (compiled anew or not): such a step is not steady."""
+        self._fresh_at_start = (0, 0)
         self._unplanned_bytes = 0
         self._firm_unplanned = 0
         self._guessed_unplanned = 0
@@ -129,8 +133,7 @@ class Session:
         has already walked, ``outside`` any compiled region (where the step can be measured: ``GapMeter``); the
         raw backend when a run follows a backward."""
         self._between.finish()
-        measure = outside and bool(self._calls) and (self._between.unknown(self._signature())
-                                                     or self._margins.due(self._signature()))
+        measure = self._measure_step(outside)
         if self._calls:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
@@ -156,8 +159,21 @@ class Session:
         self._previous_fit = not self._between.remeasured and self._previous is not None and \
             self.budget_bytes is not None and self._previous_peak() <= self.budget_bytes
         self._between.remeasured = False
+        self._fresh_at_start = (self._fresh_runs, host_pool.misses)
         if measure and self._may_measure_gaps():
-            self._between.start(self._signature, self._climbed)
+            self._between.start(self._signature, self._climbed, gaps=outside)
+
+    def _measure_step(self, outside: bool) -> bool:
+        """Whether to measure the step beginning (after a first step, whose sequence of runs is then known):
+        the front door until the code between its runs is known; either door until a step that compiled
+        nothing was measured whole, and again where a margin was learnt (``karma_fx.margin``). The raw backend
+        measures only the climb (``Between``)."""
+        if not self._calls:
+            return False
+        signature = self._signature()
+        if outside and self._between.unknown(signature):
+            return True
+        return self._margins.wanted(signature)
 
     def _climbed(self, climb: int) -> None:
         """A measured step climbed ``climb`` bytes above what it began with: where that broke the budget, keep
@@ -166,6 +182,10 @@ class Session:
         if not calls or self.config.strategy != DEFAULT_STRATEGY:  # a strategy asked for by name plans as asked
             return
         signature = self._signature(calls)
+        if (self._fresh_runs, host_pool.misses) != self._fresh_at_start:
+            return  # a plan ran for the first time, or the host pool grew (on a CPU it shares the allocator):
+            # not a steady step; measure a later one (``Margins.wanted``)
+        self._margins.steady.add(signature)
         measured = self._persistent_bytes() + climb
         if self.config.budget.fraction is not None and all(c.variant is c.region.keep for c in calls):
             # nothing moved: this is the unplanned step a fraction is of, measured (where the compiled kernels
@@ -268,6 +288,9 @@ class Session:
             compiled = compile_variant(region, variant.plan, args)
             variant.fn, variant.graphs, variant.grad_params = compiled.fn, compiled.graphs, compiled.grad_params
         region.last = variant
+        if not variant.ran:
+            variant.ran = True
+            self._fresh_runs += 1
         region.budget_bytes = self.budget_bytes or 0
         view = self._pending_view
         assert view is not None

@@ -36,6 +36,8 @@ class Variant:
     graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
     grad_params: tuple[int, ...] = ()
     """Primal positions of the parameters whose gradients this variant hands to the gradient pipeline."""
+    ran: bool = False
+    """Whether it has run: its first run allocates what later runs reuse (the host buffers of its offloads)."""
 
 
 @dataclass(eq=False)

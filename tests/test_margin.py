@@ -39,6 +39,16 @@ def test_checks_stop_after_max_checks():
     assert seen == MAX_CHECKS
 
 
+def test_steps_are_measured_until_one_is_steady_then_only_where_a_margin_is_due():
+    m = Margins()
+    assert all(m.wanted((0,)) for _ in range(MAX_CHECKS))  # no steady step seen yet: keep trying, a few times
+    assert not m.wanted((0,))
+    m.steady.add((1,))
+    assert not m.wanted((1,))  # a steady step of (1,) was measured
+    m.learn((1,), measured=1100, planned=800, budget=1000)
+    assert [m.wanted((1,)) for _ in range(2)] == [False, True]
+
+
 def test_the_gap_meter_reports_the_whole_steps_climb():
     """Stopped by the backward's return, the meter hands over the highest running sum of the step; stopped
     anywhere else it cannot know the step's, and says 0."""
@@ -121,3 +131,43 @@ def test_a_fraction_is_of_the_unplanned_step_as_measured():
     _train(step, model, batches[2:])
     assert session.budget_bytes == measured
     assert not step.plan.decisions
+
+
+def test_a_step_that_grew_the_host_pool_teaches_no_margin():
+    """On a CPU the host buffers of offloads share the allocator with the step: the step in which the pool grows
+    (the first to run a set of plans together) climbs above any steady step, and is not what plans are for."""
+    from karma_fx.runtime import host_pool
+
+    torch.manual_seed(1)
+    batches = [(torch.randn(512, 64), torch.randint(0, 8, (512,))) for _ in range(3)]
+    model = _mlp()
+    probe = karma_fx.compile(model, budget=1.0)
+    _train(probe, model, batches[:2])
+    step = karma_fx.compile(model, budget=probe.unplanned_peak_bytes)
+    _train(step, model, batches)
+    session = step._session
+    signature = session._signature()
+    over = session.budget_bytes + 64 * 1024 - session._persistent_bytes()
+    host_pool.misses += 1  # as a buffer allocated during this step would
+    session._climbed(over)
+    assert session._margins.of(signature) == 0
+    session._fresh_at_start = (session._fresh_runs, host_pool.misses)  # a steady step, the same climb
+    session._climbed(over)
+    assert session._margins.of(signature) > 0
+
+
+def test_the_raw_backend_measures_a_steady_step_of_each_sequence():
+    """``backend="karma"`` has no step boundary outside its regions: it measures the climb of a whole step from
+    its first run on, once a steady step, so a model the kernels' model falls short on is caught there too."""
+    from karma_fx.backend import _sessions
+
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    batches = [(torch.randn(512, 64), torch.randint(0, 8, (512,))) for _ in range(4)]
+    model = _mlp()
+    options = {"budget": 1.0}
+    step = torch.compile(model, backend="karma", options=options, dynamic=False)
+    _train(step, model, batches)
+    session = _sessions[id(options)]
+    assert session._signature() in session._margins.steady
+    assert session._between.gaps == {}  # the code between runs is not learnt from inside a region
