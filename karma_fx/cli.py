@@ -98,8 +98,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="roofline: op times from the --device preset (default); measured: the step's ops timed "
                         "here, for real (tiny size: a real-size model is built on meta and cannot run)")
     p.add_argument("--compiler", choices=("eager", "inductor"), default=None,
-                   help="what runs the planned step: eager (op by op, default, or $KARMA_COMPILER) or inductor "
-                        "(fused kernels): the plan karma_fx.compile(..., compiler=...) makes for the same model and "
+                   help="what runs the planned step: inductor (fused kernels; default, or $KARMA_COMPILER) or "
+                        "eager (op by op): the plan karma_fx.compile(..., compiler=...) makes for the same model and "
                         "budget")
     p.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default=None,
                    help="training regime: fp32 (default); bf16-mixed (fp32 weights under bf16 autocast); "

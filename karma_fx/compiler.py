@@ -298,7 +298,7 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
             data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             offload_weights: bool = False, time_limit_s: float | None = None,
             max_grad_norm: float | None = None, plan_cache: str | None = None, costs: str | None = None,
-            compiler: str | None = None) -> KarmaModule:
+            compiler: str | None = None, loss_chunk: int | None = None) -> KarmaModule:
     """Plan ``model``'s training step under ``budget`` and return a drop-in module that runs the plan.
 
     ``budget``: bytes (``"12GiB"``, ``12e9``) or a fraction (``0.5``) of the unplanned step as training runs
@@ -316,11 +316,14 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     ``$KARMA_PLAN_CACHE``), so a restarted job does not plan again. ``costs``: by default each region is
     measured on the tensors of its first run, on the device it runs on (each kernel's scratch and each op's
     time, and the copy ops' speed); ``"roofline"`` (or a ``device`` preset named) times the ops on the preset's
-    roofline instead, the scratch still measured (``karma_fx.pricing``). ``compiler``: ``"eager"`` (the default, or
-    ``$KARMA_COMPILER``) runs the planned graphs op by op; ``"inductor"`` compiles them with Inductor, as
-    ``torch.compile`` would, the copies and waits kept where the plan put them (``karma_fx.inductor``). With
-    ``optimizer=`` or ``data_parallel=``, ``$KARMA_COMPILER`` is not followed: the gradient pipeline is called
-    from inside the backward graph, which Inductor does not compile yet (``compiler="inductor"`` refuses).
+    roofline instead, the scratch still measured (``karma_fx.pricing``). ``compiler``: ``"inductor"`` (the default, or
+    ``$KARMA_COMPILER``) compiles the planned graphs with Inductor, as ``torch.compile`` would, the copies and
+    waits kept where the plan put them (``karma_fx.inductor``); ``"eager"`` runs them op by op. With
+    ``optimizer=`` or ``data_parallel=`` the default is ``"eager"`` and ``$KARMA_COMPILER`` is not followed: the
+    gradient pipeline is called from inside the backward graph, which Inductor does not compile yet
+    (``compiler="inductor"`` refuses). ``loss_chunk``: a cross-entropy over a linear layer's logits computed
+    that many tokens at a time (``karma_fx.loss_ops``), never holding the whole ``[tokens, vocabulary]`` logits,
+    their log-softmax or their gradient; ``0`` never; ``None`` (default) as the planner decides.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"karma_fx.compile takes an nn.Module, got {type(model).__name__}")
@@ -330,5 +333,6 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     if compiler is None and (optimizer is not None or data_parallel):
         compiler = "eager"  # the gradient pipeline runs inside the backward graph, which Inductor cannot compile
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
-                              time_limit_s=time_limit_s, plan_cache=plan_cache, costs=costs, compiler=compiler)
+                              time_limit_s=time_limit_s, plan_cache=plan_cache, costs=costs, compiler=compiler,
+                              loss_chunk=loss_chunk)
     return KarmaModule(model, config, optimizer, data_parallel, bucket_bytes, max_grad_norm)

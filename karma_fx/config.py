@@ -29,15 +29,17 @@ if TYPE_CHECKING:
 BUDGET_ENV = "KARMA_BUDGET"
 PLAN_CACHE_ENV = "KARMA_PLAN_CACHE"
 COMPILER_ENV = "KARMA_COMPILER"
-OPTIONS = ("budget", "strategy", "device", "offload_weights", "time_limit_s", "plan_cache", "costs", "compiler")
+OPTIONS = ("budget", "strategy", "device", "offload_weights", "time_limit_s", "plan_cache", "costs", "compiler",
+           "loss_chunk")
 """The keys ``backend="karma"`` accepts in ``options``."""
 COST_MODELS = ("roofline", "measured")
 COMPILERS = ("eager", "inductor")
-DEFAULT_COMPILER = "eager"
-"""Not Inductor yet, though ``torch.compile``'s default is: the budget must hold first, and under Inductor it
-does not on every model yet (``KARMA_COMPILER=inductor python bench/budget_probes.py``, 2026-12-02: three
-of 21 models peak 0.7-1.0% over a budget at which almost nothing moves; op by op every row holds).
-``$KARMA_COMPILER`` or ``compiler=`` choose Inductor meanwhile."""
+DEFAULT_COMPILER = "inductor"
+"""``torch.compile``'s own: the planned step is the step users would otherwise run, Inductor's kernels with
+the copies and waits kept where the plan put them. Where the model of its fusion falls short of what the
+allocator measures, the measured step teaches a margin (``karma_fx.margin``). ``"eager"`` runs the graphs op
+by op (debugging: every op a breakpoint), and is what runs with the gradient pipeline (``optimizer=`` or
+``data_parallel=``), which Inductor does not compile."""
 
 
 def default_compiler() -> str:
@@ -76,8 +78,12 @@ class KarmaConfig:
     device_named: bool = False
     """Whether ``device`` was asked for (a preset to plan for) rather than left to its default."""
     compiler: str = DEFAULT_COMPILER
-    """What runs the planned forward and backward graphs: ``"eager"`` (op by op, as ``aot_eager``; the default)
-    or ``"inductor"`` (compiled by Inductor, the karma ops as extern kernels kept where the plan put them)."""
+    """What runs the planned forward and backward graphs: ``"inductor"`` (compiled by Inductor, the karma ops as
+    extern kernels kept where the plan put them; the default) or ``"eager"`` (op by op, as ``aot_eager``)."""
+    loss_chunk: int | None = None
+    """The loss head (a cross-entropy over a linear layer's logits, ``karma_fx.passes.loss_head``): ``None`` (the
+    default) lets the planner chunk it where that makes a better plan, ``0`` never chunks it, ``n`` always
+    computes it ``n`` tokens at a time."""
     plan_cache: str | None = None
     """A directory where plans are saved, keyed by the captured graph, the device, the strategy and the
     budget, so that a restarted job reuses them instead of planning again (default ``$KARMA_PLAN_CACHE``)."""
@@ -107,6 +113,10 @@ class KarmaConfig:
                              f"runs here), got {self.costs!r}")
         if self.compiler is None or resolve_compiler(self.compiler) != self.compiler:  # None: only ``make``'s
             raise KarmaError(f"compiler must be one of {', '.join(repr(c) for c in COMPILERS)}, got None")
+        chunk = self.loss_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+            raise KarmaError(f"loss_chunk must be None (the planner decides), 0 (never chunk the loss head) or a "
+                             f"number of tokens per chunk, got {chunk!r}")
         cache = self.plan_cache if self.plan_cache is not None else os.environ.get(PLAN_CACHE_ENV) or None
         if cache is not None and not isinstance(cache, (str, os.PathLike)):
             raise KarmaError(f"plan_cache must be a directory path, got {cache!r}")
@@ -115,12 +125,12 @@ class KarmaConfig:
     @classmethod
     def make(cls, *, budget: Any, strategy: Any = None, device: Any = None, offload_weights: Any = False,
              time_limit_s: Any = None, plan_cache: Any = None, costs: Any = None,
-             compiler: Any = None) -> "KarmaConfig":
+             compiler: Any = None, loss_chunk: Any = None) -> "KarmaConfig":
         """From keyword arguments as the public functions take them (``None`` means the default)."""
         return cls(budget=Budget.of(budget), strategy=DEFAULT_STRATEGY if strategy is None else strategy,
                    device=get_device(device), offload_weights=offload_weights, time_limit_s=time_limit_s,
                    plan_cache=plan_cache, costs=costs, device_named=device is not None,
-                   compiler=resolve_compiler(compiler))
+                   compiler=resolve_compiler(compiler), loss_chunk=loss_chunk)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "KarmaConfig":
