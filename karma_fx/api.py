@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.nn as nn
@@ -48,6 +48,11 @@ class Prepared:
     seconds: dict[str, float] = field(default_factory=dict)
     pricing: Any = None
     """How ``problem`` and ``costs`` were priced (``karma_fx.pricing.Pricing``), where the capture was ours."""
+    loss_chunk: int = 0
+    """The chunked loss head's tokens per chunk, where the step was traced with it (``karma_fx.loss_ops``)."""
+    twin: "Prepared | None" = None
+    """The same step traced with its loss head chunked, which ``plan`` also plans where the default strategy
+    plans (``prepare(loss_chunk=None)``)."""
     _min_peak: int | None = None
     _torch_saved: dict[float, frozenset[str]] = field(default_factory=dict)
 
@@ -99,6 +104,7 @@ class Prepared:
         timeline = simulate(self.problem, raw, self.costs)
         keep = self.keep
         plan = raw.replace(model=self.problem.name, device=self.costs.device, peak_bytes=timeline.peak_bytes,
+                           loss_chunk=self.loss_chunk,
                            step_time_us=round(timeline.makespan_us, 3),
                            unlimited_step_time_us=round(keep.makespan_us, 3), unplanned_peak_bytes=keep.peak_bytes,
                            host_peak_bytes=timeline.host_peak_bytes, schedule=timeline.rows)
@@ -110,6 +116,8 @@ class Prepared:
         """Plan at ``budget``; ``offload_weights`` streams the parameters from host memory and sends their
         gradients to it (``karma_fx.strategies.weights``), for steps whose weights do not fit."""
         budget_bytes = parse_budget(budget, self.unplanned_peak_bytes)
+        if self.twin is not None and strategy in (None, DEFAULT_STRATEGY) and not offload_weights:
+            return self._plan_with_twin(budget_bytes, raise_if_infeasible, time_limit_s)
         chosen = self.strategy(strategy, offload_weights=offload_weights, time_limit_s=time_limit_s)
         t0 = time.perf_counter()
         raw = chosen(self.problem, self.costs, budget_bytes)
@@ -128,6 +136,37 @@ class Prepared:
         return Planned(plan=plan, problem=self.problem, costs=self.costs, timeline=timeline, step=self.step,
                        seconds={**self.seconds, "strategy": solve_s})
 
+    def _plan_with_twin(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None
+                        ) -> Planned:
+        """The loss head as a choice: this step planned, and its chunked twin with nothing else moved or
+        planned too; the fastest that fits, else the leanest (the refusal naming the lower floor of the two)."""
+        twin = self.twin
+        assert twin is not None
+        alone = self.strategy(None, time_limit_s=time_limit_s)  # an object: planned here without the twin
+        options = [] if self.min_peak_bytes() > budget_bytes else [
+            self.plan(budget_bytes, alone, raise_if_infeasible=False)]  # (below its floor: no plan of it fits)
+        bare = twin.plan(budget_bytes, "keep", raise_if_infeasible=False)
+        options.append(bare if bare.plan.fits else
+                       twin.plan(budget_bytes, raise_if_infeasible=False, time_limit_s=time_limit_s))
+        fitting = [p for p in options if p.plan.fits]
+        if fitting:
+            best = min(fitting, key=lambda p: p.plan.step_time_us or 0.0)
+        elif raise_if_infeasible:
+            floor = min(self.min_peak_bytes(), twin.min_peak_bytes())
+            raise InfeasibleBudgetError(
+                f"{self.problem.name} does not fit in {format_bytes(budget_bytes)}, its loss head whole or chunked "
+                f"({twin.loss_chunk} tokens at a time): the smallest budget known to work is {format_bytes(floor)} "
+                f"({floor} bytes: every saved activation swapped out and back just in time, which strategy='cpsat' "
+                f"can reach); the unplanned peak is {format_bytes(self.unplanned_peak_bytes)}.",
+                min_budget_bytes=floor, budget_bytes=budget_bytes)
+        else:
+            best = min(options, key=lambda p: p.plan.peak_bytes or 0)
+        # the step it is measured against is the model's own, not the twin's
+        plan = best.plan.replace(unplanned_peak_bytes=self.unplanned_peak_bytes,
+                                 unlimited_step_time_us=round(self.keep.makespan_us, 3))
+        seconds = {**best.seconds, "strategy": sum(p.seconds.get("strategy", 0.0) for p in options)}
+        return replace(best, plan=plan, seconds=seconds)
+
 
 
 
@@ -144,17 +183,31 @@ def _check_call(model: Any, args: Any, kwargs: Any) -> tuple[tuple, dict[str, An
 
 def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *,
             device: str | DeviceSpec | None = None, name: str | None = None, costs: str | None = None,
-            compiler: str | None = None) -> Prepared:
+            compiler: str | None = None, loss_chunk: int | None = 0) -> Prepared:
     """Capture the training step and build everything a strategy needs, priced as ``karma_fx.compile`` prices
     it (``karma_fx.pricing``): a model with real weights and no ``device`` preset named is measured on its
     device (its kernels' scratch, and its ops' times unless ``costs="roofline"``); a model on ``meta``, or one
     planned for a named preset, is priced on the preset's roofline (default h100), tensors only.
-    ``compiler``: ``"eager"`` (the default, as ``compile``'s, or ``$KARMA_COMPILER``) prices the op-by-op step,
-    ``"inductor"`` the step Inductor runs."""
+    ``compiler``: ``"inductor"`` (the default, as ``compile``'s, or ``$KARMA_COMPILER``) prices the step
+    Inductor runs, ``"eager"`` the op-by-op step. ``loss_chunk`` as ``compile``'s, but by default ``0`` (the
+    step as the model computes it, one capture): ``None`` also captures the step with its loss head chunked
+    (``Prepared.twin``), where it has one, for ``Prepared.plan`` to choose as ``compile`` would."""
     from karma_fx.config import resolve_compiler
-    from karma_fx.pricing import choose, price
 
     compiler = resolve_compiler(compiler)
+    if loss_chunk is not None and (isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 0):
+        raise KarmaError(f"loss_chunk must be None (the planner decides), 0 or a number of tokens, got {loss_chunk!r}")
+    prepared = _prepare(model, args, kwargs, device, name, costs, compiler, loss_chunk or 0)
+    if loss_chunk is None:
+        twin = _prepare(model, args, kwargs, device, name, costs, compiler, None)
+        if twin.loss_chunk:
+            prepared.twin = twin
+    return prepared
+
+
+def _prepare(model: nn.Module, args: Any, kwargs: Any, device: Any, name: str | None, costs: str | None,
+             compiler: str, loss_chunk: int | None) -> Prepared:
+    from karma_fx.pricing import choose, price
 
     args, kwargs = _check_call(model, args, kwargs)
     params = list(model.parameters())
@@ -172,7 +225,7 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
         report("capture")
         # A model on meta is only planned, for the device preset (a CUDA GPU): trace attention as it runs there.
         step = capture(model, args, kwargs, gpu_attention=not real and bool(params),
-                       inductor=compiler == "inductor")
+                       inductor=compiler == "inductor", loss_chunk=loss_chunk)
         t1 = time.perf_counter()
         report("liveness")
         problem = build_problem(step, name=label)
@@ -187,13 +240,14 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
         keep = simulate(problem, (), cost_model)
         t3 = time.perf_counter()
     seconds.update(capture=t1 - t0, liveness=t2 - t1, costs=t3 - t2)
-    return Prepared(problem=problem, costs=cost_model, keep=keep, step=step, seconds=seconds, pricing=pricing)
+    return Prepared(problem=problem, costs=cost_model, keep=keep, step=step, seconds=seconds, pricing=pricing,
+                    loss_chunk=step.loss_chunk)
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,
          device: str | DeviceSpec | None = None, strategy: str | Strategy | None = None,
          offload_weights: bool = False, time_limit_s: float | None = None, costs: str | None = None,
-         compiler: str | None = None) -> Plan:
+         compiler: str | None = None, loss_chunk: int | None = None) -> Plan:
     """Plan one training step of ``model(*args, **kwargs)`` under ``budget`` (bytes or a fraction).
 
     The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read. The
@@ -202,14 +256,17 @@ def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None,
     ``time_limit_s`` bounds the planning's wall-clock time (the capture excluded). Pricing is ``compile``'s
     (``karma_fx.pricing``): a model with real weights and no ``device`` preset named is measured on its device
     (``costs="roofline"`` keeps the times on the preset's roofline; scratch is measured either way), a model
-    on meta is priced on the preset. ``compiler`` (default as ``compile``'s) says which step is planned.
+    on meta is priced on the preset. ``compiler`` (default as ``compile``'s) says which step is planned, and
+    ``loss_chunk`` (default as ``compile``'s: the planner decides) whether its loss head is chunked.
     Raises ``InfeasibleBudgetError`` (naming the smallest workable budget) when the strategy cannot fit.
     """
     from karma_fx.config import KarmaConfig
 
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
-                              time_limit_s=time_limit_s, costs=costs, compiler=compiler)  # refused before capture
-    prepared = prepare(model, args, kwargs, device=device, costs=config.costs, compiler=config.compiler)
+                              time_limit_s=time_limit_s, costs=costs, compiler=compiler,
+                              loss_chunk=loss_chunk)  # refused before capture
+    prepared = prepare(model, args, kwargs, device=device, costs=config.costs, compiler=config.compiler,
+                       loss_chunk=config.loss_chunk)
     with planning(prepared.problem.name):
         return prepared.plan(config.budget, config.strategy, offload_weights=config.offload_weights,
                              time_limit_s=config.time_limit_s).plan

@@ -23,6 +23,7 @@ Dynamic shapes are not supported: a plan is made for concrete sizes. Pass ``dyna
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Any, Callable
@@ -117,12 +118,18 @@ def _break_reason() -> str:
         return ""
 
 
+class _Prepared(Exception):
+    """Raised by the partitioner once a twin region is priced (``KarmaBackend._twin``), or once the plan chosen
+    is one of the other trace's: the compile that raised it is abandoned."""
+
+
 class KarmaBackend:
     """A Dynamo backend bound to one ``Session``: returns, per region, a callable that picks (and compiles on
     first need) the variant each run uses."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
+        session.twin_maker = self._twin
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         session = self.session
@@ -142,18 +149,35 @@ class KarmaBackend:
 
         return run
 
-    def _compile(self, region: Region, plan: Plan | None, args: list) -> Variant:
-        """AOTAutograd over the region with our partitioner: plan (first run, ``plan`` None) or apply ``plan``."""
+    def _twin(self, region: Region, args: list) -> Region | None:
+        """The region traced with its loss head chunked (``karma_fx.passes.loss_head``) and priced as the region
+        is, for the session to plan beside it; ``None`` where no head was recognised. Its variants join the
+        region's, each plan saying which trace it names (``Plan.loss_chunk``)."""
+        twin = Region(index=region.index, gm=region.gm, kinds=region.kinds, names=region.names,
+                      offload_weights=region.offload_weights, ends_at=region.ends_at)
+        self._compile(twin, None, args, head_chunk=None)
+        return twin if twin.prepared is not None and twin.prepared.loss_chunk else None
+
+    def _compile(self, region: Region, plan: Plan | None, args: list, head_chunk: int | None = 0) -> Variant:
+        """AOTAutograd over the region with our partitioner: plan (first run, ``plan`` None) or apply ``plan``.
+        The loss head is traced chunked as ``plan`` says, or on a first run as the configuration says; with
+        ``head_chunk=None`` (``_twin``) chunked at its default size, and only priced, not planned or compiled."""
         from torch._functorch.aot_autograd import aot_module_simplified
 
         from karma_fx.api import Prepared
         from karma_fx.passes.gradient_hooks import insert_gradient_hooks
+        from karma_fx.passes.loss_head import ChunkedHead
         from karma_fx.passes.partition import hand_over
         from karma_fx.pricing import price
         from karma_fx.simulate import simulate
 
         session = self.session
         chosen: dict[str, Any] = {}
+        only_price = head_chunk is None
+        chunk = plan.loss_chunk if plan is not None else head_chunk if not only_price else None
+        if plan is None and not only_price:
+            chunk = session.config.loss_chunk or 0
+        head = ChunkedHead(chunk) if chunk != 0 else None
 
         def plan_fn(problem: Any, step: Any) -> Plan:
             if plan is not None:
@@ -166,9 +190,17 @@ class KarmaBackend:
             keep = simulate(problem, (), costs)
             region.boundary = boundary_of(step, problem, region.kinds)
             prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step, pricing=pricing,
-                                seconds={"costs": time.perf_counter() - started})
-            chosen["variant"] = session.decide(region, args, prepared)
-            return chosen["variant"].plan
+                                seconds={"costs": time.perf_counter() - started},
+                                loss_chunk=head.chunk if head is not None and head.rewritten else 0)
+            if only_price:
+                region.prepared = prepared
+                raise _Prepared
+            variant = session.decide(region, args, prepared)
+            if variant.plan.loss_chunk != prepared.loss_chunk:  # a plan of the twin's trace: compile that one
+                chosen["other_trace"] = variant
+                raise _Prepared
+            chosen["variant"] = variant
+            return variant.plan
 
         def on_done(problem: Any, done_plan: Plan, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
             chosen["graphs"] = (fw, bw)
@@ -208,15 +240,24 @@ class KarmaBackend:
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-        with _friendly_errors("compiling the region"), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-            if inductor:
-                from karma_fx.inductor import compile_region
+        with _friendly_errors("compiling the region"), torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
+                head if head is not None else contextlib.nullcontext():
+            try:
+                if inductor:
+                    from karma_fx.inductor import compile_region
 
-                fn = compile_region(region.gm, fake, partition, on_backward=session.saw_backward,
-                                    moves=lambda: "variant" in chosen and bool(chosen["variant"].plan.decisions))
-            else:
-                fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
-                                           bw_compiler=backward_compiler, partition_fn=partition)
+                    fn = compile_region(region.gm, fake, partition, on_backward=session.saw_backward,
+                                        moves=lambda: "variant" in chosen and bool(chosen["variant"].plan.decisions))
+                else:
+                    fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
+                                               bw_compiler=backward_compiler, partition_fn=partition)
+            except Exception:  # noqa: BLE001 - Inductor wraps what the partitioner raised
+                if not (only_price and region.prepared is not None) and "other_trace" not in chosen:
+                    raise
+        if only_price:
+            return None  # type: ignore[return-value]
+        if "other_trace" in chosen:
+            return self._compile(region, chosen["other_trace"].plan, args)
         variant = chosen.get("variant")
         if variant is None:  # inference: the partitioner was never called
             return Variant(plan=Plan("keep", 0), fp=Footprint(0, 0, 0, 0), fn=fn)

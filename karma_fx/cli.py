@@ -101,6 +101,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="what runs the planned step: inductor (fused kernels; default, or $KARMA_COMPILER) or "
                         "eager (op by op): the plan karma_fx.compile(..., compiler=...) makes for the same model and "
                         "budget")
+    p.add_argument("--loss-chunk", default="auto",
+                   help="the loss head (cross-entropy over the vocabulary): auto (default: chunked where that makes "
+                        "the better plan), 0 (as the model computes it) or tokens per chunk")
     p.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default=None,
                    help="training regime: fp32 (default); bf16-mixed (fp32 weights under bf16 autocast); "
                         "bf16 (bf16 weights)")
@@ -238,9 +241,24 @@ def _prepare(args: argparse.Namespace) -> Any:
     if args.precision != "fp32":
         name += f"-{args.precision}"
     prepared = karma_fx.prepare(model, model_args, model_kwargs, device=args.device, name=name, costs=args.costs,
-                                compiler=getattr(args, "compiler", None))
+                                compiler=getattr(args, "compiler", None), loss_chunk=_loss_chunk(args))
     prepared.seconds.setdefault("build", build_s)
     return prepared
+
+
+def _loss_chunk(args: argparse.Namespace) -> int | None:
+    """``--loss-chunk`` as ``karma_fx.prepare`` takes it (commands without the flag: the step as the model
+    computes it)."""
+    value = getattr(args, "loss_chunk", "0")
+    if value == "auto":
+        return None
+    try:
+        chunk = int(value)
+    except ValueError:
+        chunk = -1
+    if chunk < 0:
+        raise CliError(f"--loss-chunk must be auto, 0 or a number of tokens per chunk, got {value!r}")
+    return chunk
 
 
 def _check_budget(budget: str) -> None:

@@ -119,6 +119,9 @@ class Plan:
     """The solver's own prediction of the step time (exact planners only); the simulator's is ``step_time_us``."""
     notes: tuple[str, ...] = ()
     schedule: tuple[ScheduleRow, ...] = ()
+    loss_chunk: int = 0
+    """Tokens per chunk of the chunked loss head (``karma_fx.loss_ops``), which the step is traced with and the
+    decisions name nodes of; 0: the loss head as the model computes it."""
 
     # ---- derived views -------------------------------------------------------------------------------
     @property
@@ -207,6 +210,8 @@ class Plan:
                                    + (f", {_count(len(self.streamed_weights), 'weight')} streamed from the host, "
                                       f"{_count(len(self.grads_to_host), 'gradient')} sent to it"
                                       if self.streamed_weights or self.grads_to_host else "")))
+        if self.loss_chunk:
+            lines.append(("loss head", f"chunked, {self.loss_chunk} tokens at a time"))
         lines += [("notes" if i == 0 else "", note) for i, note in enumerate(self.notes)]
         return lines
 
@@ -374,7 +379,7 @@ def _check_record(data: dict[str, Any], cls: type, where: str) -> None:
         _check_record(row, ScheduleRow, f"schedule[{i}]")
 
 
-_NON_NEGATIVE = ("budget_bytes", "peak_bytes", "unplanned_peak_bytes", "host_peak_bytes", "step_time_us",
+_NON_NEGATIVE = ("budget_bytes", "loss_chunk", "peak_bytes", "unplanned_peak_bytes", "host_peak_bytes", "step_time_us",
                  "unlimited_step_time_us", "lower_bound_us", "predicted_step_time_us", "device_bytes", "stall_us")
 """Byte counts and times, of the plan and of its schedule rows: none can be negative, infinite or NaN (JSON
 as Python writes it may hold ``NaN`` and ``Infinity``), and the rewrite and the tables would compute with

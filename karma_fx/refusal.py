@@ -63,9 +63,12 @@ def where_the_floor_is(step: Step, regions: list[Any], leanest: Callable[[Any], 
     if phase.stage == "after":
         return (f"; that floor is reached after the forward of run {phase.run + 1}, in the code that runs between "
                 f"compiled regions (the loss head after the last one)")
+    from karma_fx.variants import source_of
+
     region = regions[phase.run]
-    p = region.prepared
-    timeline = simulate(p.problem, leanest(region).plan, p.costs)
+    plan = leanest(region).plan
+    p = source_of(region, plan).prepared
+    timeline = simulate(p.problem, plan, p.costs)
     items = [iv for iv in timeline.compute if iv.kind in ("op", "recompute")]
     span = range(timeline.forward_items) if phase.stage == "forward" else \
         range(timeline.forward_items, len(timeline.memory))

@@ -114,6 +114,8 @@ class Session:
         self._started = False
         self._between = Between()
         self._margins = Margins()
+        self.twin_maker: Callable[[Region, list[Any]], Region | None] | None = None
+        """Traces a region with its loss head chunked (set by ``karma_fx.backend.KarmaBackend``)."""
         self._fresh_runs = 0
         """Runs of a variant that had not run before (compiled anew or not): such a step is not steady."""
         self._fresh_at_start = (0, 0)
@@ -275,6 +277,9 @@ class Session:
             self._forget(region)  # planned under a profiler: measure its scratch and plan it again now
         if region.prepared is None:
             self._compiled_anew()
+            if self._may_chunk_head(region):
+                assert self.twin_maker is not None
+                region.twin = self.twin_maker(region, args)
             variant = compile_variant(region, None, args)  # plans inside the partitioner (``decide``)
             if region.prepared is None:  # an inference graph: nothing saved, nothing planned
                 region.inference_fn = variant.fn
@@ -328,8 +333,17 @@ class Session:
         region.prepared = prepared
         return self._choose(region, args)
 
+    def _may_chunk_head(self, region: Region) -> bool:
+        """Whether to trace ``region`` a second time with its loss head chunked, for the planner to choose: where
+        it may choose (``loss_chunk=None``, the default strategy) and the region computes a cross-entropy."""
+        if self.config.loss_chunk is not None or self.config.strategy != DEFAULT_STRATEGY or self.twin_maker is None:
+            return False
+        losses = (torch.nn.functional.cross_entropy, torch._C._nn.cross_entropy_loss)
+        return any(n.op == "call_function" and n.target in losses for n in region.gm.graph.nodes)
+
     def _forget(self, region: Region) -> None:
         region.prepared, region.variants, region.leanest, region.keep = None, [], None, None
+        region.twin = None
         region.planned_at = []
 
     # ---- the code between runs --------------------------------------------------------------------------
@@ -576,13 +590,32 @@ class Session:
         return region.keep
 
     def _leanest(self, region: Region) -> Variant:
+        """The leanest plan known, with the loss head chunked where that is leaner."""
         if region.leanest is None:
-            region.leanest = leanest_variant(region, self.config, self.budget_bytes)
+            lean = leanest_variant(region, self.config, self.budget_bytes)
+            if region.twin is not None:
+                other = leanest_variant(region.twin, self.config, self.budget_bytes)
+                lean = other if other.fp.peak_bytes < lean.fp.peak_bytes else lean
+            region.leanest = lean
             region.variants.append(region.leanest)
         return region.leanest
 
     def _plan(self, region: Region, target: int) -> Variant:
-        return planned_variant(region, self.config, target, self.budget_bytes)
+        """The region planned at ``target``; where it has a chunked twin, the better of the two plans and of the
+        twin's plan that moves nothing else: the fastest that fits, else the leanest."""
+        planned = planned_variant(region, self.config, target, self.budget_bytes)
+        twin = region.twin
+        if twin is None:
+            return planned
+        if twin.keep is None:
+            twin.keep = keep_variant(twin, self.config, self.budget_bytes)
+        options = [planned, twin.keep]
+        if twin.keep.fp.peak_bytes > target:
+            options.append(planned_variant(twin, self.config, target, self.budget_bytes))
+        fitting = [v for v in options if v.fp.peak_bytes <= target]
+        if fitting:
+            return min(fitting, key=lambda v: v.plan.step_time_us or 0.0)
+        return min(options, key=lambda v: v.fp.peak_bytes)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from karma_fx.errors import KarmaError, UnsupportedModelError
 from karma_fx.passes.dropout import split_dropout
 from karma_fx.passes.gpu_attention import GpuAttention
+from karma_fx.passes.loss_head import ChunkedHead
 
 PrimalKind = Literal["param", "buffer", "input"]
 
@@ -45,6 +46,8 @@ class CapturedStep:
     """What the captured forward outputs are (``loss`` or the flattened output leaves)."""
     joint_inputs: Any = None
     """The (fake) example inputs of the joint graph, as AOTAutograd handed them to the partitioner."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the loss head where it was traced chunked (``passes/loss_head.py``), else 0."""
 
 
 class _JointCaptured(Exception):
@@ -84,6 +87,11 @@ class _StepModule(nn.Module):
         state = {name: getattr(self, slot) for name, slot in self._names.items()}
         out = torch.func.functional_call(self._model, state, tuple(args), kwargs, tie_weights=True, strict=False)
         return _flatten_outputs(out, self._loss_only)
+
+
+def _fresh(head: Any) -> Any:
+    """A second ``ChunkedHead`` like ``head`` (each trace follows its own tensors), or a null context."""
+    return ChunkedHead(head.chunk, head.min_classes) if isinstance(head, ChunkedHead) else contextlib.nullcontext()
 
 
 def copy_joint(step: "CapturedStep") -> fx.GraphModule:
@@ -136,13 +144,15 @@ def _fakeify(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
 
 
 def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None, *,
-            gpu_attention: bool = False, inductor: bool = False) -> CapturedStep:
+            gpu_attention: bool = False, inductor: bool = False, loss_chunk: int | None = 0) -> CapturedStep:
     """Trace ``model(*args, **kwargs)`` and the backward of its outputs into one joint aten graph.
 
     ``gpu_attention``: trace attention with dropout as a CUDA GPU's fused kernel (``passes/gpu_attention.py``),
     for a plan made here of a step that runs on a GPU; the graph then cannot run here. ``inductor``: trace the
     joint graph ``karma_fx.compile(compiler="inductor")`` plans: with Inductor's decompositions, its dropout
-    backward left for Inductor to fuse (``split_dropout``).
+    backward left for Inductor to fuse (``split_dropout``). ``loss_chunk``: trace a cross-entropy over a
+    linear layer's logits as the chunked loss head, ``loss_chunk`` tokens at a time (``passes/loss_head.py``;
+    ``None``: its default size; ``0``: as the model computes it). ``CapturedStep.loss_chunk`` says which.
 
     Every tensor output that requires grad is differentiated, with its incoming gradient as a ``tangents_*``
     input: exactly what ``torch.compile`` (and so ``karma_fx.compile``) runs. A HuggingFace model given
@@ -165,6 +175,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     attention = GpuAttention() if gpu_attention else contextlib.nullcontext()
+    head = ChunkedHead(loss_chunk) if loss_chunk != 0 else contextlib.nullcontext()
     params = _named_unique(list(model.named_parameters(remove_duplicate=False)))
     buffers = _named_unique(list(model.named_buffers(remove_duplicate=False)))
     fake_params = {n: nn.Parameter(_fakeify(fake_mode, p.detach()), requires_grad=p.requires_grad)
@@ -184,7 +195,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     # Decide whether the step differentiates a `loss` field: trace the forward once on fake tensors.
     probe = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=False)
     scope = _ModuleScope(model)
-    with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("tracing the forward", scope), scope:
+    with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("tracing the forward", scope), scope, \
+            _fresh(head):
         state = {name: getattr(probe, slot) for name, slot in probe._names.items()}
         call_leaves = list(leaves)
         for slot, t in zip(tensor_slots, fake_inputs):
@@ -214,7 +226,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
         return gm
 
     with fake_mode, _as_torch_compile_sees_it(), attention, _friendly_errors("capturing the training step", scope), \
-            scope:
+            scope, head:
         try:
             aot_module_simplified(step, tuple(fake_inputs), fw_compiler=identity_compiler,
                                   bw_compiler=identity_compiler, partition_fn=partition,
@@ -228,7 +240,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     names = list(fake_params) + list(fake_buffers) + [f"input[{i}]" for i in range(len(fake_inputs))]
     return CapturedStep(joint=captured["joint"], primal_kinds=tuple(kinds), primal_names=tuple(names),
                         num_fwd_outputs=captured["num_fwd_outputs"], output_names=output_names,
-                        joint_inputs=captured["joint_inputs"])
+                        joint_inputs=captured["joint_inputs"],
+                        loss_chunk=head.chunk if isinstance(head, ChunkedHead) and head.rewritten else 0)
 
 
 def _inductor_decompositions() -> dict:
