@@ -50,9 +50,11 @@ class Prepared:
     """How ``problem`` and ``costs`` were priced (``karma_fx.pricing.Pricing``), where the capture was ours."""
     loss_chunk: int = 0
     """The chunked loss head's tokens per chunk, where the step was traced with it (``karma_fx.loss_ops``)."""
-    twin: "Prepared | None" = None
-    """The same step traced with its loss head chunked, which ``plan`` also plans where the default strategy
-    plans (``prepare(loss_chunk=None)``)."""
+    tokens: int = 0
+    """The tokens of that loss head."""
+    twins: "list[Prepared]" = field(default_factory=list)
+    """The same step traced with its loss head chunked (each at one of ``passes.loss_head.chunk_sizes``), which
+    ``plan`` also plans where the default strategy plans (``prepare(loss_chunk=None)``)."""
     _min_peak: int | None = None
     _torch_saved: dict[float, frozenset[str]] = field(default_factory=dict)
 
@@ -116,8 +118,8 @@ class Prepared:
         """Plan at ``budget``; ``offload_weights`` streams the parameters from host memory and sends their
         gradients to it (``karma_fx.strategies.weights``), for steps whose weights do not fit."""
         budget_bytes = parse_budget(budget, self.unplanned_peak_bytes)
-        if self.twin is not None and strategy in (None, DEFAULT_STRATEGY) and not offload_weights:
-            return self._plan_with_twin(budget_bytes, raise_if_infeasible, time_limit_s)
+        if self.twins and strategy in (None, DEFAULT_STRATEGY) and not offload_weights:
+            return self._plan_with_twins(budget_bytes, raise_if_infeasible, time_limit_s)
         chosen = self.strategy(strategy, offload_weights=offload_weights, time_limit_s=time_limit_s)
         t0 = time.perf_counter()
         raw = chosen(self.problem, self.costs, budget_bytes)
@@ -136,26 +138,29 @@ class Prepared:
         return Planned(plan=plan, problem=self.problem, costs=self.costs, timeline=timeline, step=self.step,
                        seconds={**self.seconds, "strategy": solve_s})
 
-    def _plan_with_twin(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None
-                        ) -> Planned:
-        """The loss head as a choice: this step planned, and its chunked twin with nothing else moved or
-        planned too; the fastest that fits, else the leanest (the refusal naming the lower floor of the two)."""
-        twin = self.twin
-        assert twin is not None
-        alone = self.strategy(None, time_limit_s=time_limit_s)  # an object: planned here without the twin
+    def _plan_with_twins(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None
+                         ) -> Planned:
+        """The loss head as a choice: this step planned, and each chunked twin with nothing else moved, or
+        planned where that does not fit; the fastest that fits, else the leanest (a refusal naming the lowest
+        floor of them)."""
+        alone = self.strategy(None, time_limit_s=time_limit_s)  # an object: planned here without the twins
         options = [] if self.min_peak_bytes() > budget_bytes else [
             self.plan(budget_bytes, alone, raise_if_infeasible=False)]  # (below its floor: no plan of it fits)
-        bare = twin.plan(budget_bytes, "keep", raise_if_infeasible=False)
-        options.append(bare if bare.plan.fits else
-                       twin.plan(budget_bytes, raise_if_infeasible=False, time_limit_s=time_limit_s))
+        for twin in self.twins:
+            if twin.min_peak_bytes() > budget_bytes:
+                continue
+            bare = twin.plan(budget_bytes, "keep", raise_if_infeasible=False)
+            options.append(bare if bare.plan.fits else
+                           twin.plan(budget_bytes, raise_if_infeasible=False, time_limit_s=time_limit_s))
         fitting = [p for p in options if p.plan.fits]
+        floor = min([self.min_peak_bytes()] + [t.min_peak_bytes() for t in self.twins])
         if fitting:
             best = min(fitting, key=lambda p: p.plan.step_time_us or 0.0)
-        elif raise_if_infeasible:
-            floor = min(self.min_peak_bytes(), twin.min_peak_bytes())
+        elif raise_if_infeasible or not options:
+            chunks = " or ".join(str(t.loss_chunk) for t in self.twins)
             raise InfeasibleBudgetError(
                 f"{self.problem.name} does not fit in {format_bytes(budget_bytes)}, its loss head whole or chunked "
-                f"({twin.loss_chunk} tokens at a time): the smallest budget known to work is {format_bytes(floor)} "
+                f"({chunks} tokens at a time): the smallest budget known to work is {format_bytes(floor)} "
                 f"({floor} bytes: every saved activation swapped out and back just in time, which strategy='cpsat' "
                 f"can reach); the unplanned peak is {format_bytes(self.unplanned_peak_bytes)}.",
                 min_budget_bytes=floor, budget_bytes=budget_bytes)
@@ -191,7 +196,7 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
     ``compiler``: ``"inductor"`` (the default, as ``compile``'s, or ``$KARMA_COMPILER``) prices the step
     Inductor runs, ``"eager"`` the op-by-op step. ``loss_chunk`` as ``compile``'s, but by default ``0`` (the
     step as the model computes it, one capture): ``None`` also captures the step with its loss head chunked
-    (``Prepared.twin``), where it has one, for ``Prepared.plan`` to choose as ``compile`` would."""
+    (``Prepared.twins``), where it has one, for ``Prepared.plan`` to choose as ``compile`` would."""
     from karma_fx.config import resolve_compiler
 
     compiler = resolve_compiler(compiler)
@@ -199,9 +204,12 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
         raise KarmaError(f"loss_chunk must be None (the planner decides), 0 or a number of tokens, got {loss_chunk!r}")
     prepared = _prepare(model, args, kwargs, device, name, costs, compiler, loss_chunk or 0)
     if loss_chunk is None:
+        from karma_fx.passes.loss_head import chunk_sizes
+
         twin = _prepare(model, args, kwargs, device, name, costs, compiler, None)
         if twin.loss_chunk:
-            prepared.twin = twin
+            prepared.twins = [twin] + [_prepare(model, args, kwargs, device, name, costs, compiler, chunk)
+                                       for chunk in chunk_sizes(twin.loss_chunk, twin.tokens)[1:]]
     return prepared
 
 
@@ -241,7 +249,7 @@ def _prepare(model: nn.Module, args: Any, kwargs: Any, device: Any, name: str | 
         t3 = time.perf_counter()
     seconds.update(capture=t1 - t0, liveness=t2 - t1, costs=t3 - t2)
     return Prepared(problem=problem, costs=cost_model, keep=keep, step=step, seconds=seconds, pricing=pricing,
-                    loss_chunk=step.loss_chunk)
+                    loss_chunk=step.loss_chunk, tokens=step.loss_tokens)
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,

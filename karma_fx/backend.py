@@ -119,7 +119,7 @@ def _break_reason() -> str:
 
 
 class _Prepared(Exception):
-    """Raised by the partitioner once a twin region is priced (``KarmaBackend._twin``), or once the plan chosen
+    """Raised by the partitioner once a twin region is priced (``KarmaBackend._twins``), or once the plan chosen
     is one of the other trace's: the compile that raised it is abandoned."""
 
 
@@ -129,7 +129,7 @@ class KarmaBackend:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        session.twin_maker = self._twin
+        session.twin_maker = self._twins
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         session = self.session
@@ -149,19 +149,31 @@ class KarmaBackend:
 
         return run
 
-    def _twin(self, region: Region, args: list) -> Region | None:
-        """The region traced with its loss head chunked (``karma_fx.passes.loss_head``) and priced as the region
-        is, for the session to plan beside it; ``None`` where no head was recognised. Its variants join the
-        region's, each plan saying which trace it names (``Plan.loss_chunk``)."""
-        twin = Region(index=region.index, gm=region.gm, kinds=region.kinds, names=region.names,
-                      offload_weights=region.offload_weights, ends_at=region.ends_at)
-        self._compile(twin, None, args, head_chunk=None)
-        return twin if twin.prepared is not None and twin.prepared.loss_chunk else None
+    def _twins(self, region: Region, args: list) -> list[Region]:
+        """The region traced with its loss head chunked (``karma_fx.passes.loss_head``) at each of
+        ``chunk_sizes`` and priced as the region is, for the session to plan beside it; none where no head was
+        recognised. Their variants join the region's, each plan saying which trace it names
+        (``Plan.loss_chunk``)."""
+        from karma_fx.passes.loss_head import chunk_sizes
 
-    def _compile(self, region: Region, plan: Plan | None, args: list, head_chunk: int | None = 0) -> Variant:
+        twins: list[Region] = []
+        sizes: list[int | None] = [None]
+        while sizes:
+            twin = Region(index=region.index, gm=region.gm, kinds=region.kinds, names=region.names,
+                          offload_weights=region.offload_weights, ends_at=region.ends_at)
+            self._compile(twin, None, args, twin_chunk=sizes.pop(0))
+            if twin.prepared is None or not twin.prepared.loss_chunk:
+                break
+            if not twins:
+                sizes = list(chunk_sizes(twin.prepared.loss_chunk, twin.prepared.tokens)[1:])
+            twins.append(twin)
+        return twins
+
+    def _compile(self, region: Region, plan: Plan | None, args: list, twin_chunk: int | None = -1) -> Variant:
         """AOTAutograd over the region with our partitioner: plan (first run, ``plan`` None) or apply ``plan``.
-        The loss head is traced chunked as ``plan`` says, or on a first run as the configuration says; with
-        ``head_chunk=None`` (``_twin``) chunked at its default size, and only priced, not planned or compiled."""
+        The loss head is traced chunked as ``plan`` says, or on a first run as the configuration says. For
+        ``_twins`` (``twin_chunk`` a chunk size, or ``None``: the default one) it is traced chunked and only
+        priced, not planned or compiled."""
         from torch._functorch.aot_autograd import aot_module_simplified
 
         from karma_fx.api import Prepared
@@ -173,9 +185,12 @@ class KarmaBackend:
 
         session = self.session
         chosen: dict[str, Any] = {}
-        only_price = head_chunk is None
-        chunk = plan.loss_chunk if plan is not None else head_chunk if not only_price else None
-        if plan is None and not only_price:
+        only_price = twin_chunk != -1
+        if plan is not None:
+            chunk: int | None = plan.loss_chunk
+        elif only_price:
+            chunk = twin_chunk
+        else:
             chunk = session.config.loss_chunk or 0
         head = ChunkedHead(chunk) if chunk != 0 else None
 
@@ -191,7 +206,8 @@ class KarmaBackend:
             region.boundary = boundary_of(step, problem, region.kinds)
             prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step, pricing=pricing,
                                 seconds={"costs": time.perf_counter() - started},
-                                loss_chunk=head.chunk if head is not None and head.rewritten else 0)
+                                loss_chunk=head.chunk if head is not None and head.rewritten else 0,
+                                tokens=head.tokens if head is not None else 0)
             if only_price:
                 region.prepared = prepared
                 raise _Prepared

@@ -49,6 +49,7 @@ def linear_ce(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
     n = h.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=h.device)
     lse = torch.empty(n, dtype=torch.float32, device=h.device)
+    weight, bias = weight.to(dtype), (bias.to(dtype) if bias is not None else None)  # cast once, not per chunk
     for a in _chunks(n, chunk):
         b = min(n, a + chunk)
         z = _logits(h[a:b], weight, bias, dtype)
@@ -76,11 +77,12 @@ def linear_ce_backward(grad: Tensor, h: Tensor, weight: Tensor, bias: Optional[T
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
     w = weight.to(dtype)
+    b_cast = bias.to(dtype) if bias is not None else None
     for a in _chunks(n, chunk):
         b = min(n, a + chunk)
         t = target[a:b]
         valid = t != ignore_index
-        p = torch.exp(_logits(h[a:b], weight, bias, dtype) - lse[a:b].unsqueeze(1))
+        p = torch.exp(_logits(h[a:b], w, b_cast, dtype) - lse[a:b].unsqueeze(1))
         p.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), torch.full_like(lse[a:b], -1.0).unsqueeze(1))
         g = p.mul_(torch.where(valid, grad[a:b], 0.0).unsqueeze(1)).to(dtype)  # the upcast's backward
         with torch.autocast(h.device.type, enabled=False):

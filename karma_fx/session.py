@@ -114,7 +114,7 @@ class Session:
         self._started = False
         self._between = Between()
         self._margins = Margins()
-        self.twin_maker: Callable[[Region, list[Any]], Region | None] | None = None
+        self.twin_maker: Callable[[Region, list[Any]], list[Region]] | None = None
         """Traces a region with its loss head chunked (set by ``karma_fx.backend.KarmaBackend``)."""
         self._fresh_runs = 0
         """Runs of a variant that had not run before (compiled anew or not): such a step is not steady."""
@@ -279,7 +279,7 @@ class Session:
             self._compiled_anew()
             if self._may_chunk_head(region):
                 assert self.twin_maker is not None
-                region.twin = self.twin_maker(region, args)
+                region.twins = self.twin_maker(region, args)
             variant = compile_variant(region, None, args)  # plans inside the partitioner (``decide``)
             if region.prepared is None:  # an inference graph: nothing saved, nothing planned
                 region.inference_fn = variant.fn
@@ -343,7 +343,7 @@ class Session:
 
     def _forget(self, region: Region) -> None:
         region.prepared, region.variants, region.leanest, region.keep = None, [], None, None
-        region.twin = None
+        region.twins = []
         region.planned_at = []
 
     # ---- the code between runs --------------------------------------------------------------------------
@@ -593,25 +593,23 @@ class Session:
         """The leanest plan known, with the loss head chunked where that is leaner."""
         if region.leanest is None:
             lean = leanest_variant(region, self.config, self.budget_bytes)
-            if region.twin is not None:
-                other = leanest_variant(region.twin, self.config, self.budget_bytes)
+            for twin in region.twins:
+                other = leanest_variant(twin, self.config, self.budget_bytes)
                 lean = other if other.fp.peak_bytes < lean.fp.peak_bytes else lean
             region.leanest = lean
             region.variants.append(region.leanest)
         return region.leanest
 
     def _plan(self, region: Region, target: int) -> Variant:
-        """The region planned at ``target``; where it has a chunked twin, the better of the two plans and of the
-        twin's plan that moves nothing else: the fastest that fits, else the leanest."""
+        """The region planned at ``target``; where it has chunked twins, also each twin's plan that moves nothing
+        else, or where that does not fit its plan at ``target``: the fastest that fits, else the leanest."""
         planned = planned_variant(region, self.config, target, self.budget_bytes)
-        twin = region.twin
-        if twin is None:
-            return planned
-        if twin.keep is None:
-            twin.keep = keep_variant(twin, self.config, self.budget_bytes)
-        options = [planned, twin.keep]
-        if twin.keep.fp.peak_bytes > target:
-            options.append(planned_variant(twin, self.config, target, self.budget_bytes))
+        options = [planned]
+        for twin in region.twins:
+            if twin.keep is None:
+                twin.keep = keep_variant(twin, self.config, self.budget_bytes)
+            options.append(twin.keep if twin.keep.fp.peak_bytes <= target else
+                           planned_variant(twin, self.config, target, self.budget_bytes))
         fitting = [v for v in options if v.fp.peak_bytes <= target]
         if fitting:
             return min(fitting, key=lambda v: v.plan.step_time_us or 0.0)

@@ -58,9 +58,9 @@ class Region:
     boundary: Boundary = field(default_factory=Boundary)
     ends_at: str = ""
     """Where the region stops in the user's code when a graph break ends it (``file:line``, Dynamo's reason)."""
-    twin: "Region | None" = field(default=None, repr=False)
-    """The same region traced with its loss head chunked (``karma_fx.passes.loss_head``), planned beside it where
-    the planner may choose (``loss_chunk=None``); its variants join this region's."""
+    twins: "list[Region]" = field(default_factory=list, repr=False)
+    """The same region traced with its loss head chunked (``karma_fx.passes.loss_head``), one per chunk size,
+    planned beside it where the planner may choose (``loss_chunk=None``); their variants join this region's."""
     budget_bytes: int = 0
     """The session's budget in bytes when this region last ran (a fraction grows with the step)."""
     planned_at: list[int] = field(default_factory=list)
@@ -135,12 +135,10 @@ def boundary_of(step: Any, problem: Any, kinds: tuple[str, ...] = ()) -> Boundar
 
 
 def source_of(region: Region, plan: Plan) -> Region:
-    """The trace ``plan`` was made on: the region's, or its chunked-head twin's (``Plan.loss_chunk``)."""
-    twin = region.twin
-    if twin is not None and plan.loss_chunk and plan.loss_chunk == twin.prepared.loss_chunk \
-            and plan.loss_chunk != region.prepared.loss_chunk:
-        return twin
-    return region
+    """The trace ``plan`` was made on: the region's, or a chunked-head twin's (``Plan.loss_chunk``)."""
+    if plan.loss_chunk == region.prepared.loss_chunk:
+        return region
+    return next((t for t in region.twins if t.prepared.loss_chunk == plan.loss_chunk), region)
 
 
 # ---- making variants ----------------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ class CapturedStep:
     """The (fake) example inputs of the joint graph, as AOTAutograd handed them to the partitioner."""
     loss_chunk: int = 0
     """Tokens per chunk of the loss head where it was traced chunked (``passes/loss_head.py``), else 0."""
+    loss_tokens: int = 0
+    """The tokens of that loss head."""
 
 
 class _JointCaptured(Exception):
@@ -241,7 +243,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     return CapturedStep(joint=captured["joint"], primal_kinds=tuple(kinds), primal_names=tuple(names),
                         num_fwd_outputs=captured["num_fwd_outputs"], output_names=output_names,
                         joint_inputs=captured["joint_inputs"],
-                        loss_chunk=head.chunk if isinstance(head, ChunkedHead) and head.rewritten else 0)
+                        loss_chunk=head.chunk if isinstance(head, ChunkedHead) and head.rewritten else 0,
+                        loss_tokens=head.tokens if isinstance(head, ChunkedHead) else 0)
 
 
 def _inductor_decompositions() -> dict:

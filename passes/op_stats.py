@@ -312,6 +312,9 @@ def node_flops(node: torch.fx.Node) -> int:
     """
     if node.op != "call_function":
         return 0
+    head = _loss_head(node)
+    if head is not None:
+        return head[0]
     kind, per_element = _classify(node.target)
     if kind in ("view", "data"):
         return 0
@@ -329,6 +332,30 @@ def node_flops(node: torch.fx.Node) -> int:
     if not _tensors(_val(node)):  # SymInt arithmetic, sym_size, ...: no kernel
         return 0
     return int(per_element * _element_count(node))
+
+
+def _loss_head(node: torch.fx.Node) -> tuple[int, int] | None:
+    """(FLOPs, bytes) of the chunked loss head's ops (``karma_fx.loss_ops``), whose loop over chunks no
+    per-op formula sees: per chunk a matmul with the whole weight (forward), three in the backward (the logits
+    again, then both gradients), and the weight read once per chunk and its fp32 gradient read and written."""
+    name = _op_name(node.target)
+    if name not in ("linear_ce", "linear_ce_backward") or "karma" not in str(node.target):
+        return None
+    backward = name == "linear_ce_backward"
+    h, weight = (_val(a) for a in node.args[1:3]) if backward else (_val(a) for a in node.args[0:2])
+    chunk = node.args[7] if backward else node.args[5]
+    dtype = node.args[8] if backward else node.args[6]
+    tokens, hidden, classes = _as_int(h.shape[0]), _as_int(h.shape[1]), _as_int(weight.shape[0])
+    chunks = max(1, -(-tokens // max(1, int(chunk))))
+    size = _itemsize(dtype) if isinstance(dtype, torch.dtype) else _itemsize(h.dtype)
+    matmul = 2 * tokens * hidden * classes
+    pointwise = 8 * tokens * classes
+    weight_bytes = classes * hidden * size
+    if not backward:
+        return matmul + pointwise, chunks * weight_bytes + tokens * hidden * size + 8 * tokens
+    grad_weight = classes * hidden * 4
+    return (3 * matmul + pointwise,
+            chunks * (2 * weight_bytes + 2 * grad_weight) + 2 * tokens * hidden * size + 12 * tokens)
 
 
 def _footprint(t: Any) -> int:
@@ -349,6 +376,9 @@ def node_bytes_accessed(node: torch.fx.Node) -> int:
     """
     if node.op != "call_function" or is_view_op(node):
         return 0
+    head = _loss_head(node)
+    if head is not None:
+        return head[1]
     read = sum(_footprint(t) for t in _input_tensors(node))
     written = sum(_numel(t) * _itemsize(t.dtype) for t in _tensors(_val(node)))
     return int(read + written)
@@ -357,8 +387,13 @@ def node_bytes_accessed(node: torch.fx.Node) -> int:
 def node_dtype(node: torch.fx.Node) -> str:
     """Dtype of the largest floating tensor among inputs and outputs, e.g. ``"bfloat16"``; ``"float32"`` if none.
 
-    It picks the peak-FLOP/s column of the device: a bf16 matmul with an fp32 bias is a bf16 matmul.
+    It picks the peak-FLOP/s column of the device: a bf16 matmul with an fp32 bias is a bf16 matmul. The chunked
+    loss head's matmuls run in the dtype it is given (bf16 under autocast, its fp32 weight cast chunk by chunk).
     """
+    if _op_name(node.target) in ("linear_ce", "linear_ce_backward") and "karma" in str(node.target):
+        dtype = node.args[-1]
+        if isinstance(dtype, torch.dtype):
+            return str(dtype).removeprefix("torch.")
     best_numel, best = -1, "float32"
     for t in _tensors(_val(node)) + _input_tensors(node):
         dtype = t.dtype
