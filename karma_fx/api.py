@@ -140,14 +140,17 @@ class Prepared:
 
     def _plan_with_twins(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None
                          ) -> Planned:
-        """The loss head as a choice: this step planned, and each chunked twin with nothing else moved, or
-        planned where that does not fit; the fastest that fits, else the leanest (a refusal naming the lowest
-        floor of them)."""
+        """The loss head as a choice, as ``karma_fx.session`` makes it: the step as written wherever it fits;
+        else this step planned, and each chunked twin with nothing else moved, or planned where that does not
+        fit; the fastest that fits, else the leanest (a refusal naming the lowest floor of them)."""
         alone = self.strategy(None, time_limit_s=time_limit_s)  # an object: planned here without the twins
-        options = [] if self.min_peak_bytes() > budget_bytes else [
+        if self.unplanned_peak_bytes <= budget_bytes:  # as the session: the step as written wherever it fits
+            return self.plan(budget_bytes, alone, raise_if_infeasible=raise_if_infeasible)
+        leanest = min([self] + self.twins, key=lambda p: p.min_peak_bytes())
+        options = [] if self.min_peak_bytes() > budget_bytes and leanest is not self else [
             self.plan(budget_bytes, alone, raise_if_infeasible=False)]  # (below its floor: no plan of it fits)
         for twin in self.twins:
-            if twin.min_peak_bytes() > budget_bytes:
+            if twin.min_peak_bytes() > budget_bytes and leanest is not twin:  # the leanest is planned anyway
                 continue
             bare = twin.plan(budget_bytes, "keep", raise_if_infeasible=False)
             options.append(bare if bare.plan.fits else
@@ -156,7 +159,7 @@ class Prepared:
         floor = min([self.min_peak_bytes()] + [t.min_peak_bytes() for t in self.twins])
         if fitting:
             best = min(fitting, key=lambda p: p.plan.step_time_us or 0.0)
-        elif raise_if_infeasible or not options:
+        elif raise_if_infeasible:
             chunks = " or ".join(str(t.loss_chunk) for t in self.twins)
             raise InfeasibleBudgetError(
                 f"{self.problem.name} does not fit in {format_bytes(budget_bytes)}, its loss head whole or chunked "

@@ -24,6 +24,7 @@ Dynamic shapes are not supported: a plan is made for concrete sizes. Pass ``dyna
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import weakref
 from typing import Any, Callable
@@ -40,6 +41,8 @@ from karma_fx.plan import Plan
 from karma_fx.regions import Footprint
 from karma_fx.session import Session
 from karma_fx.variants import Region, Variant, boundary_of
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KarmaBackend", "Region", "Session", "karma_backend", "regions"]
 
@@ -160,8 +163,13 @@ class KarmaBackend:
         sizes: list[int | None] = [None]
         while sizes:
             twin = Region(index=region.index, gm=region.gm, kinds=region.kinds, names=region.names,
-                          offload_weights=region.offload_weights, ends_at=region.ends_at)
-            self._compile(twin, None, args, twin_chunk=sizes.pop(0))
+                          offload_weights=region.offload_weights, ends_at=region.ends_at, parent=region)
+            try:
+                self._compile(twin, None, args, twin_chunk=sizes.pop(0))
+            except Exception as exc:  # noqa: BLE001 - an optional trace: the region as written still runs
+                log.warning("karma_fx: region %d traced with its loss head chunked failed (%s: %s); it is planned "
+                            "with the head as written", region.index, type(exc).__name__, str(exc)[:200])
+                break
             if twin.prepared is None or not twin.prepared.loss_chunk:
                 break
             if not twins:
@@ -178,7 +186,7 @@ class KarmaBackend:
 
         from karma_fx.api import Prepared
         from karma_fx.passes.gradient_hooks import insert_gradient_hooks
-        from karma_fx.passes.loss_head import ChunkedHead
+        from karma_fx.passes.loss_head import ChunkedHead, set_aside
         from karma_fx.passes.partition import hand_over
         from karma_fx.pricing import price
         from karma_fx.simulate import simulate
@@ -198,10 +206,14 @@ class KarmaBackend:
             if plan is not None:
                 chosen["variant"] = next(v for v in region.variants if v.plan is plan)
                 return plan
+            if only_price and (head is None or not head.rewritten):
+                chosen["no_head"] = True  # nothing was chunked: the trace is the region's own, not a twin
+                raise _Prepared
             # The step runs here: priced on this device, on the tensors of this run (``karma_fx.pricing``).
             primals = [a for a in args if isinstance(a, torch.Tensor)]
             started = time.perf_counter()
-            problem, costs, pricing = price(step, problem, session.config.pricing(runs_here=True), primals)
+            with set_aside(head):
+                problem, costs, pricing = price(step, problem, session.config.pricing(runs_here=True), primals)
             keep = simulate(problem, (), costs)
             region.boundary = boundary_of(step, problem, region.kinds)
             prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step, pricing=pricing,
@@ -268,7 +280,8 @@ class KarmaBackend:
                     fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
                                                bw_compiler=backward_compiler, partition_fn=partition)
             except Exception:  # noqa: BLE001 - Inductor wraps what the partitioner raised
-                if not (only_price and region.prepared is not None) and "other_trace" not in chosen:
+                if not (only_price and (region.prepared is not None or "no_head" in chosen)) \
+                        and "other_trace" not in chosen:
                     raise
         if only_price:
             return None  # type: ignore[return-value]

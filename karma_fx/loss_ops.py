@@ -70,11 +70,11 @@ def _(h, weight, bias, target, ignore_index, chunk, dtype):
 
 @torch.library.custom_op("karma::linear_ce_backward", mutates_args=())
 def linear_ce_backward(grad: Tensor, h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                       lse: Tensor, ignore_index: int, chunk: int, dtype: torch.dtype
+                       lse: Tensor, ignore_index: int, chunk: int, dtype: torch.dtype, weight_grad: bool
                        ) -> tuple[Tensor, Tensor, Tensor]:
     n = h.shape[0]
     grad_h = torch.empty_like(h)
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    grad_w = torch.zeros(weight.shape if weight_grad else (0,), dtype=torch.float32, device=weight.device)
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
     w = weight.to(dtype)
     b_cast = bias.to(dtype) if bias is not None else None
@@ -87,7 +87,8 @@ def linear_ce_backward(grad: Tensor, h: Tensor, weight: Tensor, bias: Optional[T
         g = p.mul_(torch.where(valid, grad[a:b], 0.0).unsqueeze(1)).to(dtype)  # the upcast's backward
         with torch.autocast(h.device.type, enabled=False):
             grad_h[a:b] = g @ w
-            grad_w.add_(g.t() @ h[a:b].to(dtype))
+            if weight_grad:  # a frozen head (LoRA) needs no [V, D] accumulator
+                grad_w.add_(g.t() @ h[a:b].to(dtype))
         if bias is not None:
             grad_b.add_(g.sum(0, dtype=torch.float32))
     if bias is None:
@@ -96,9 +97,10 @@ def linear_ce_backward(grad: Tensor, h: Tensor, weight: Tensor, bias: Optional[T
 
 
 @linear_ce_backward.register_fake
-def _(grad, h, weight, bias, target, lse, ignore_index, chunk, dtype):
+def _(grad, h, weight, bias, target, lse, ignore_index, chunk, dtype, weight_grad):
     nb = weight.shape[0] if bias is not None else 0
-    return torch.empty_like(h), torch.empty_like(weight), weight.new_empty(nb)
+    grad_w = weight.new_empty(tuple(weight.shape) if weight_grad else (0,))  # contiguous, as the real one
+    return torch.empty_like(h), grad_w, weight.new_empty(nb)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -116,9 +118,12 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         h, weight, bias, target, lse = ctx.saved_tensors
+        weight_grad = ctx.needs_input_grad[1]
         grad_h, grad_w, grad_b = torch.ops.karma.linear_ce_backward(grad, h, weight, bias, target, lse,
-                                                                    ctx.ignore_index, ctx.chunk, ctx.dtype)
-        return grad_h, grad_w, (grad_b if bias is not None else None), None, None, None, None
+                                                                    ctx.ignore_index, ctx.chunk, ctx.dtype,
+                                                                    weight_grad)
+        return (grad_h, grad_w if weight_grad else None, (grad_b if bias is not None else None), None, None, None,
+                None)
 
 
 def linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, *,

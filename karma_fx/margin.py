@@ -70,6 +70,12 @@ class Margins:
             return True
         return self.due(signature)
 
+    def unsteady(self, signature: Signature) -> None:
+        """The step measured for ``signature`` was not steady: where a margin awaits its check, measure the next
+        step instead (still within ``MAX_CHECKS``)."""
+        if signature in self.bytes_of and self.checks.get(signature, 0) < MAX_CHECKS:
+            self.pending[signature] = 0
+
     def learn(self, signature: Signature, measured: int, planned: int, budget: int | None) -> bool:
         """A measured step of ``signature`` peaked at ``measured`` bytes where its plans, without any margin,
         said ``planned``. Returns whether the margin grew (the step broke ``budget``, by more than the margin

@@ -185,8 +185,10 @@ class Session:
             return
         signature = self._signature(calls)
         if (self._fresh_runs, host_pool.misses) != self._fresh_at_start:
-            return  # a plan ran for the first time, or the host pool grew (on a CPU it shares the allocator):
-            # not a steady step; measure a later one (``Margins.wanted``)
+            # a plan ran for the first time, or the host pool grew (on a CPU it shares the allocator): not a
+            # steady step; measure a later one (``Margins.wanted``, ``Margins.unsteady``)
+            self._margins.unsteady(signature)
+            return
         self._margins.steady.add(signature)
         measured = self._persistent_bytes() + climb
         if self.config.budget.fraction is not None and all(c.variant is c.region.keep for c in calls):

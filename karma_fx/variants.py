@@ -59,6 +59,8 @@ class Region:
     ends_at: str = ""
     """Where the region stops in the user's code when a graph break ends it (``file:line``, Dynamo's reason)."""
     twins: "list[Region]" = field(default_factory=list, repr=False)
+    parent: "Region | None" = field(default=None, repr=False)
+    """For a twin: the region as written, whose unplanned step its plans are set against."""
     """The same region traced with its loss head chunked (``karma_fx.passes.loss_head``), one per chunk size,
     planned beside it where the planner may choose (``loss_chunk=None``); their variants join this region's."""
     budget_bytes: int = 0
@@ -141,6 +143,16 @@ def source_of(region: Region, plan: Plan) -> Region:
     return next((t for t in region.twins if t.prepared.loss_chunk == plan.loss_chunk), region)
 
 
+def _against_the_step_as_written(region: Region, plan: Plan) -> Plan:
+    """A twin's plan with the unplanned step and the unlimited step time of the region as written (what the
+    step would be without karma), not of its chunked trace."""
+    parent = region.parent.prepared if region.parent is not None else None
+    if parent is None:
+        return plan
+    return plan.replace(unplanned_peak_bytes=parent.keep.peak_bytes,
+                        unlimited_step_time_us=round(parent.keep.makespan_us, 3))
+
+
 # ---- making variants ----------------------------------------------------------------------------------------
 def _strategy_name(config: KarmaConfig, otherwise: str) -> str:
     s = config.strategy
@@ -151,6 +163,7 @@ def judged(region: Region, raw: Plan, config: KarmaConfig, budget_bytes: int | N
     """``raw`` replayed on the region's problem (``Prepared.judge``), with its footprint."""
     p = region.prepared
     plan, timeline = p.judge(raw)
+    plan = _against_the_step_as_written(region, plan)
     if not plan.budget_bytes:  # a plan made for no budget in particular: the one in force
         plan = plan.replace(budget_bytes=budget_bytes or plan.peak_bytes or 0)
     return Variant(plan=plan, fp=footprint(p.problem, timeline, plan, offload_weights=config.offload_weights,
@@ -201,6 +214,6 @@ def planned_variant(region: Region, config: KarmaConfig, target: int, budget_byt
              planned.plan.strategy, planned.plan.status, format_bytes(planned.plan.peak_bytes))
     if cache is not None and key is not None:
         cache.put(key, planned.plan)
-    plan = planned.plan.replace(budget_bytes=budget_bytes or target)
+    plan = _against_the_step_as_written(region, planned.plan.replace(budget_bytes=budget_bytes or target))
     return Variant(plan=plan, fp=footprint(p.problem, planned.timeline, plan, offload_weights=config.offload_weights,
                                            boundary=region.boundary))

@@ -21,11 +21,13 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 MIN_CLASSES = 2
@@ -42,6 +44,9 @@ class _Logits:
     bias: torch.Tensor | None
     dtype: torch.dtype
     """The matmul's dtype (bf16 under autocast), before any upcast."""
+    root: int
+    """id of the ``F.linear`` output these logits derive from: any other use of one of them (an in-place edit,
+    a view this module does not follow) taints them all."""
 
 
 _LINEAR = {F.linear, torch._C._nn.linear}
@@ -89,6 +94,7 @@ class ChunkedHead(TorchFunctionMode):
         self.tokens = 0
         """Tokens of the (first) head chunked."""
         self._logits: dict[int, tuple[_Logits, torch.Tensor]] = {}
+        self._tainted: set[int] = set()
         """id(tensor) -> (its origin, the tensor itself: held so that the id is not reused while tracing)."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -97,11 +103,18 @@ class ChunkedHead(TorchFunctionMode):
             chunked = self._cross_entropy(args, kwargs)
             if chunked is not None:
                 return chunked
+        touched = [self._logits[id(t)][0].root for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and id(t) in self._logits] if self._logits else []
         out = func(*args, **kwargs)
         if func in _LINEAR:
             self._note_linear(args, kwargs, out)
-        elif isinstance(out, torch.Tensor) and args and _key(args[0]) in self._logits:
-            self._follow(func, args, kwargs, out)
+        elif touched and _may_change(func, out) and not (
+                isinstance(out, torch.Tensor) and _key(args[0] if args else None) in self._logits
+                and self._follow(func, args, kwargs, out)):
+            # an in-place edit (``logits /= T``, a masked vocabulary) or a tensor made from them that may be a
+            # view this module does not follow: the chunked head would not see what it does to them, so such
+            # logits stay as the model computes them
+            self._tainted.update(touched)
         return out
 
     # ---- following the logits --------------------------------------------------------------------------
@@ -113,14 +126,16 @@ class ChunkedHead(TorchFunctionMode):
             return
         if weight.shape[0] < self.min_classes or not isinstance(h, torch.Tensor):
             return
-        self._logits[id(out)] = (_Logits(h, weight, bias, out.dtype), out)
+        self._logits[id(out)] = (_Logits(h, weight, bias, out.dtype, id(out)), out)
 
-    def _follow(self, func: Callable, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+    def _follow(self, func: Callable, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+        """Note ``out`` as the same logits, where ``func`` is one of the ways models reshape or upcast them;
+        whether it was."""
         origin, logits = self._logits[id(args[0])]
         name = getattr(func, "__name__", "")
         classes = origin.weight.shape[0]
         if out.dim() == 0 or out.shape[-1] != classes:
-            return
+            return False
         h = None
         if name in _PASS_METHODS and out.shape == logits.shape:
             h = origin.h
@@ -131,8 +146,10 @@ class ChunkedHead(TorchFunctionMode):
                 h = origin.h.reshape(*out.shape[:-1], origin.h.shape[-1])
         elif name == "__getitem__" and len(args) > 1 and _keeps_last_dim(args[1], logits.dim()):
             h = origin.h[args[1]]
-        if h is not None:
-            self._logits[id(out)] = (_Logits(h, origin.weight, origin.bias, origin.dtype), out)
+        if h is None:
+            return False
+        self._logits[id(out)] = (_Logits(h, origin.weight, origin.bias, origin.dtype, origin.root), out)
+        return True
 
     # ---- the loss --------------------------------------------------------------------------------------
     def _cross_entropy(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -147,7 +164,7 @@ class ChunkedHead(TorchFunctionMode):
         if entry is None or not isinstance(target, torch.Tensor):
             return None
         origin, _ = entry
-        if x.dim() != 2 or target.dim() != 1 or target.dtype not in (torch.int64, torch.int32):
+        if origin.root in self._tainted or x.dim() != 2 or target.dim() != 1 or target.dtype != torch.int64:
             return None
         if bound.get("weight") is not None or bound.get("label_smoothing", 0.0) not in (0, 0.0):
             return None
@@ -164,8 +181,29 @@ class ChunkedHead(TorchFunctionMode):
         if not self.rewritten:
             self.tokens = int(h.shape[0])
         self.rewritten += 1
-        return linear_cross_entropy(h, origin.weight, origin.bias, target, ignore_index=bound.get("ignore_index", -100),
+        loss = linear_cross_entropy(h, origin.weight, origin.bias, target, ignore_index=bound.get("ignore_index", -100),
                                     reduction=reduction, chunk=self.chunk, dtype=origin.dtype)
+        return loss.to(x.dtype)  # a bf16 loss where the model's logits were bf16 (computed in fp32 here)
+
+
+@contextlib.contextmanager
+def set_aside(head: "ChunkedHead | None") -> Iterator[None]:
+    """Run without ``head`` (when it is the innermost mode): measuring the step's ops under it would add its
+    Python dispatch to each op timed, and bias the planner against the trace it is active for."""
+    if head is None or torch.overrides._get_current_function_mode() is not head:
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
+
+
+def _may_change(func: Callable, out: Any) -> bool:
+    """Whether a call may edit the logits it reads, now or through what it returns: an in-place op, an item
+    assignment, or any tensor it returns (perhaps a view). Reading their shape or dtype does not."""
+    name = getattr(func, "__name__", "")
+    if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")):
+        return True
+    return isinstance(out, torch.Tensor)
 
 
 def _keeps_last_dim(index: Any, dims: int) -> bool:

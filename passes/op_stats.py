@@ -345,6 +345,7 @@ def _loss_head(node: torch.fx.Node) -> tuple[int, int] | None:
     h, weight = (_val(a) for a in node.args[1:3]) if backward else (_val(a) for a in node.args[0:2])
     chunk = node.args[7] if backward else node.args[5]
     dtype = node.args[8] if backward else node.args[6]
+    weight_grad = bool(node.args[9]) if backward and len(node.args) > 9 else True
     tokens, hidden, classes = _as_int(h.shape[0]), _as_int(h.shape[1]), _as_int(weight.shape[0])
     chunks = max(1, -(-tokens // max(1, int(chunk))))
     size = _itemsize(dtype) if isinstance(dtype, torch.dtype) else _itemsize(h.dtype)
@@ -353,8 +354,8 @@ def _loss_head(node: torch.fx.Node) -> tuple[int, int] | None:
     weight_bytes = classes * hidden * size
     if not backward:
         return matmul + pointwise, chunks * weight_bytes + tokens * hidden * size + 8 * tokens
-    grad_weight = classes * hidden * 4
-    return (3 * matmul + pointwise,
+    grad_weight = classes * hidden * 4 if weight_grad else 0
+    return ((3 if weight_grad else 2) * matmul + pointwise,
             chunks * (2 * weight_bytes + 2 * grad_weight) + 2 * tokens * hidden * size + 12 * tokens)
 
 
@@ -391,7 +392,7 @@ def node_dtype(node: torch.fx.Node) -> str:
     loss head's matmuls run in the dtype it is given (bf16 under autocast, its fp32 weight cast chunk by chunk).
     """
     if _op_name(node.target) in ("linear_ce", "linear_ce_backward") and "karma" in str(node.target):
-        dtype = node.args[-1]
+        dtype = node.args[8] if _op_name(node.target) == "linear_ce_backward" else node.args[6]
         if isinstance(dtype, torch.dtype):
             return str(dtype).removeprefix("torch.")
     best_numel, best = -1, "float32"

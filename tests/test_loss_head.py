@@ -65,7 +65,8 @@ def _train_both(step, model, reference, steps: int = 3) -> None:
         want.backward()
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (i, got.item(), want.item())
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert _close(p.grad, q.grad), (i, name)
+            assert (p.grad is None) == (q.grad is None), name
+            assert p.grad is None or _close(p.grad, q.grad), (i, name)
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
 
@@ -137,6 +138,36 @@ def test_a_loss_it_does_not_compute_is_left_alone(loss):
     step = capture(Summed(loss), (ids, labels), loss_chunk=32)
     assert step.loss_chunk == 0
     assert not any("karma.linear_ce" in str(n.target) for n in step.joint.graph.nodes)
+
+
+@pytest.mark.parametrize("edit", ["divide", "mask", "transposed view"])
+def test_logits_edited_before_the_loss_are_left_alone(edit):
+    """The chunked head makes its logits from the hidden states: an edit of the logits it would not see (a
+    temperature, a masked vocabulary entry, an in-place op through a view it does not follow) keeps the head
+    as written."""
+    class Edited(TiedLM):
+        def forward(self, ids, labels):
+            logits = self.head(self.ln(torch.tanh(self.fc(self.emb(ids))))).float()
+            if edit == "divide":
+                logits.div_(2.0)
+            elif edit == "mask":
+                logits[..., 0] = -1e4
+            else:
+                logits.transpose(0, 1).mul_(2.0)
+            return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+    step = capture(Edited(), _batch(0), loss_chunk=32)
+    assert step.loss_chunk == 0
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_rest_are_exact():
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.head.weight = nn.Parameter(torch.randn(VOCAB, WIDTH) * 0.1, requires_grad=False)  # untied, frozen
+    reference = copy.deepcopy(model)
+    step = karma_fx.compile(model, budget=1.0, loss_chunk=48)
+    _train_both(step, model, reference, steps=2)
+    assert model.head.weight.grad is None
 
 
 def test_a_plan_says_which_trace_it_names():
@@ -215,3 +246,25 @@ def test_the_planner_chunks_the_head_only_where_memory_needs_it():
     peak = _measured(tight, model)
     assert peak <= 0.5 * unplanned, (peak, unplanned)
     assert abs(peak - tight.predicted_peak_bytes) <= 0.01 * tight.predicted_peak_bytes
+
+
+def test_plan_chooses_the_head_as_compile_does():
+    """``karma_fx.prepare(loss_chunk=None)`` (what ``karma_fx.plan`` and the CLI use) captures the chunked
+    twins; the plan keeps the head whole wherever the step as written fits, chunks it where that plans better
+    below, and a refusal names the lowest floor."""
+    from karma_fx.errors import InfeasibleBudgetError
+
+    torch.manual_seed(0)
+    # op times on the roofline: deterministic, where measured times of two near-equal steps are not
+    prepared = karma_fx.prepare(TiedLM(), _batch(0), compiler="eager", costs="roofline", loss_chunk=None)
+    assert prepared.twins and all(t.loss_chunk for t in prepared.twins)
+    floor = min(p.min_peak_bytes() for p in [prepared] + prepared.twins)
+    assert floor < prepared.min_peak_bytes()
+    assert prepared.plan(1.0).plan.loss_chunk == 0  # as compile: the step as written wherever it fits
+    tight = prepared.plan(0.5).plan
+    assert tight.fits and tight.loss_chunk > 0
+    assert tight.unplanned_peak_bytes == prepared.unplanned_peak_bytes  # against the model's own step
+    assert not prepared.plan(1024, raise_if_infeasible=False).plan.fits
+    with pytest.raises(InfeasibleBudgetError) as info:
+        prepared.plan(1024)
+    assert info.value.min_budget_bytes == floor

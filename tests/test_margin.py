@@ -49,6 +49,14 @@ def test_steps_are_measured_until_one_is_steady_then_only_where_a_margin_is_due(
     assert [m.wanted((1,)) for _ in range(2)] == [False, True]
 
 
+def test_a_check_that_met_an_unsteady_step_is_made_on_the_next():
+    m = Margins()
+    m.learn((0,), measured=1100, planned=800, budget=1000)
+    assert [m.due((0,)) for _ in range(2)] == [False, True]  # the check is spent on a step...
+    m.unsteady((0,))  # ...that turned out not steady
+    assert m.due((0,))
+
+
 def test_the_gap_meter_reports_the_whole_steps_climb():
     """Stopped by the backward's return, the meter hands over the highest running sum of the step; stopped
     anywhere else it cannot know the step's, and says 0."""
