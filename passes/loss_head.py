@@ -94,8 +94,9 @@ class ChunkedHead(TorchFunctionMode):
         self.tokens = 0
         """Tokens of the (first) head chunked."""
         self._logits: dict[int, tuple[_Logits, torch.Tensor]] = {}
-        self._tainted: set[int] = set()
         """id(tensor) -> (its origin, the tensor itself: held so that the id is not reused while tracing)."""
+        self._tainted: set[int] = set()
+        """Roots (``_Logits.root``) whose logits something else read or edited: never chunked."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
