@@ -86,7 +86,9 @@ def test_compiled_step_holds_exactly_the_planned_peak_on_the_allocator(strategy,
 
     model, args, kwargs = _gpt()
     step = karma_fx.compile(model, budget=budget, strategy=strategy, costs="measured")
-    for _ in range(2):
+    # Steady by step 5 even where step 2's measurement taught a margin (it was seen 528 KiB above a step that
+    # measured at its plan, one run in three: the next plans then run, and grow the host pool, in step 3)
+    for _ in range(4):
         output_to_loss(step(*args, **kwargs)).backward()
         model.zero_grad(set_to_none=True)
     live = measure_step_peak(model, step, args, kwargs, output_to_loss)
