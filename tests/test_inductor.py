@@ -158,20 +158,18 @@ def test_the_default_compiler_and_karma_compiler(monkeypatch):
     """Unset, every door runs Inductor, but the front door with the gradient pipeline, which Inductor does not
     compile, runs eager (the suite sets $KARMA_COMPILER=eager, see conftest); $KARMA_COMPILER picks for every
     door."""
-    monkeypatch.delenv("KARMA_COMPILER")
-    assert KarmaConfig.make(budget=1.0).compiler == "inductor"
-    assert KarmaConfig.from_options({"budget": 1.0}).compiler == "inductor"
-    assert karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0)._made_with[0].compiler == "inductor"
-    step = karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, optimizer=torch.optim.SGD)
-    assert step._made_with[0].compiler == "eager"
+    for env in (None, "inductor"):  # unset, then asked for by name: the same doors
+        if env is None:
+            monkeypatch.delenv("KARMA_COMPILER")
+        else:
+            monkeypatch.setenv("KARMA_COMPILER", env)
+        assert KarmaConfig.make(budget=1.0).compiler == "inductor"
+        assert KarmaConfig.from_options({"budget": 1.0}).compiler == "inductor"
+        assert karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0)._made_with[0].compiler == "inductor"
+        step = karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, optimizer=torch.optim.SGD)
+        assert step._made_with[0].compiler == "eager"
     monkeypatch.setenv("KARMA_COMPILER", "eager")
     assert KarmaConfig.make(budget=1.0).compiler == "eager"
-    monkeypatch.setenv("KARMA_COMPILER", "inductor")
-    assert KarmaConfig.make(budget=1.0).compiler == "inductor"
-    assert KarmaConfig.from_options({"budget": 1.0}).compiler == "inductor"
-    assert karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0)._made_with[0].compiler == "inductor"
-    step = karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, optimizer=torch.optim.SGD)
-    assert step._made_with[0].compiler == "eager"
     monkeypatch.setenv("KARMA_COMPILER", "tvm")
     with pytest.raises(KarmaError, match=r"\$KARMA_COMPILER must be one of eager, inductor"):
         KarmaConfig.make(budget=1.0)
