@@ -5,8 +5,10 @@ compiled plan of the region into a ``Candidate``: its predicted step time, its o
 peak if this run used it. ``choose_plan`` then decides, with no state of its own:
 
 * the fastest candidate under which the whole step fits the budget (ties: the lower own peak);
-* but the plan this run used last step wherever it still fits (and it is not the leanest): a step a little
-  faster on paper is not worth a recompile and a change of memory profile mid-training;
+* but the plan this run used last step wherever it still fits (and it is not the leanest), unless the fastest
+  has run before: a step a little faster on paper is not worth a recompile and a change of memory profile
+  mid-training, but going back to a plan already compiled costs neither (a step that held gradients, or
+  the step a benchmark measured, needed a leaner plan once; the steps after it need not keep it);
 * where only the leanest plan fits, plan anew at ``target_bytes`` (the room this run has), unless a plan was
   already made at about that target (within 2%): that one was no better, and planning again would be too;
 * where nothing fits, plan anew at the target as well; the session tries a few lower targets and, failing
@@ -40,6 +42,8 @@ class Candidate:
     """The whole step's peak if this run used this plan (the runs before as they ran, those after leanest)."""
     leanest: bool = False
     ran_last_step: bool = False
+    ran_before: bool = False
+    """Compiled and run at some earlier step: running it again compiles nothing and allocates nothing new."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ def choose_plan(candidates: Sequence[Candidate], budget_bytes: int, target_bytes
     usable = [c for c in candidates if c.step_peak_bytes <= budget_bytes]
     best = min(usable, key=lambda c: (c.step_time_us, c.own_peak_bytes)) if usable else None
     ran = next((c for c in usable if c.ran_last_step and not c.leanest), None)
-    if ran is not None:
+    if ran is not None and best is not None and not best.ran_before:
         best = ran
     if best is not None and (not best.leanest or not worth_planning(target_bytes, planned_at)):
         return Choice(use=best.key)

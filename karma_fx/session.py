@@ -150,7 +150,8 @@ class Session:
             # held now
             tensors = parameters_and_buffers(model) if model is not None else self._seen_weights()
         self._weights = dict(self._weights_of(tensors))
-        held = self._held_grads = set()
+        held_before, held = self._held_grads, set()
+        self._held_grads = held
         for p in tensors[0]:  # their gradients, held from an earlier micro-batch or not
             grad = p.grad
             if grad is not None:
@@ -158,8 +159,11 @@ class Session:
                 pointer, nbytes = storage_of(grad)
                 self._weights[pointer] = nbytes
         self._device_baseline = _allocated_on(tensors[0])
+        # A step that holds other gradients than the last (the first micro-batch of an accumulation, or the
+        # step after one that left its gradients) chooses its plans again rather than repeat the last step's:
+        # those fitted a step holding more, or fit this one only with less room
         self._previous_fit = not self._between.remeasured and self._previous is not None and \
-            self.budget_bytes is not None and self._previous_peak() <= self.budget_bytes
+            held == held_before and self.budget_bytes is not None and self._previous_peak() <= self.budget_bytes
         self._between.remeasured = False
         self._fresh_at_start = (self._fresh_runs, host_pool.misses)
         if measure and self._may_measure_gaps():
@@ -489,7 +493,8 @@ class Session:
         assert budget is not None
         ran = self._previous[len(calls)].variant if later is not None and self._previous else None
         candidates = [Candidate(key=i, step_time_us=v.plan.step_time_us or 0.0, own_peak_bytes=v.fp.peak_bytes,
-                                step_peak_bytes=peak(v.fp), leanest=v is region.leanest, ran_last_step=v is ran)
+                                step_peak_bytes=peak(v.fp), leanest=v is region.leanest, ran_last_step=v is ran,
+                                ran_before=v.ran)
                       for i, v in enumerate(region.variants)]
         variants = list(region.variants)
         lean = self._leanest(region)

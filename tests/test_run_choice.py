@@ -30,6 +30,13 @@ def test_last_steps_plan_is_kept_while_it_fits():
     assert choose_plan([fast, no_longer], 10 * MiB, 8 * MiB, ()) == Choice(use=0)
 
 
+
+def test_a_faster_plan_that_ran_before_is_taken_back():
+    """Going back to a plan already compiled costs no recompile: the fastest that fits wins again."""
+    fast = Candidate(0, 100.0, 8 * MiB, 10 * MiB, ran_before=True)
+    ran = Candidate(1, 110.0, 6 * MiB, 9 * MiB, ran_last_step=True, ran_before=True)
+    assert choose_plan([fast, ran], 10 * MiB, 8 * MiB, ()) == Choice(use=0)
+
 def test_last_steps_leanest_plan_does_not_stop_a_better_one():
     lean = Candidate(0, 200.0, 3 * MiB, 6 * MiB, leanest=True, ran_last_step=True)
     better = Candidate(1, 120.0, 5 * MiB, 8 * MiB)

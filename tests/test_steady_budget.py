@@ -278,3 +278,30 @@ def test_a_compiled_module_pickles():
     assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), model.parameters()))
     F.cross_entropy(loaded(x), y).backward()
     assert all(p.grad is not None for p in loaded.parameters())
+
+
+def test_the_first_micro_batch_of_an_update_runs_unplanned_again():
+    """Accumulating at a budget the step fits unplanned only while it holds no gradients: the micro-batches
+    that hold them run a leaner plan, and the first of each update (none held) goes back to the step as written,
+    a plan compiled already, rather than keep the leaner one for the rest of training."""
+    torch.manual_seed(1)
+    batches = [(torch.randn(256, 32), torch.randint(0, 8, (256,))) for _ in range(9)]
+    probe_model = _mlp()
+    probe = karma_fx.compile(probe_model, budget=1.0)
+    F.cross_entropy(probe(batches[0][0]), batches[0][1]).backward()
+    held = sum(p.numel() * p.element_size() for p in probe_model.parameters())
+    unplanned = probe.unplanned_peak_bytes  # with no gradients held
+    torch._dynamo.reset()
+    model = _mlp()
+    step = karma_fx.compile(model, budget=unplanned + held // 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    moved = []
+    for i, (x, y) in enumerate(batches):
+        if i % 3 == 0:
+            opt.zero_grad(set_to_none=True)
+        (F.cross_entropy(step(x), y) / 3).backward()
+        moved.append(len(step.plan.decisions))
+        if i % 3 == 2:
+            opt.step()
+    first, later = moved[3::3], [m for i, m in enumerate(moved) if i % 3 and i >= 3]
+    assert first == [0, 0] and all(m > 0 for m in later), moved
