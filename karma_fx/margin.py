@@ -71,8 +71,9 @@ class Margins:
         return self.due(signature)
 
     def unsteady(self, signature: Signature) -> None:
-        """The step measured for ``signature`` was not steady: where a margin awaits its check, measure the next
-        step instead (still within ``MAX_CHECKS``)."""
+        """The step measured for ``signature`` was not steady, or is the first of two readings in a row that the
+        session learns from (the lower of them): where a margin awaits its check, measure the next step too
+        (still within ``MAX_CHECKS``)."""
         if signature in self.bytes_of and self.checks.get(signature, 0) < MAX_CHECKS:
             self.pending[signature] = 0
 

@@ -110,6 +110,8 @@ class Session:
         self._grads_counted: set[int] = set()
         self._held_grads: set[int] = set()
         """ids of the parameters that held a gradient when the step began (read once a step, in ``begin_step``)."""
+        self._last_reading: tuple[tuple, int] | None = None
+        """The last steady step measured: (its sequence of runs, their variants, what it held; its peak)."""
         self._saw_backward = False
         self._started = False
         self._between = Between()
@@ -193,8 +195,18 @@ class Session:
             # steady step; measure a later one (``Margins.wanted``, ``Margins.unsteady``)
             self._margins.unsteady(signature)
             return
-        self._margins.steady.add(signature)
         measured = self._persistent_bytes() + climb
+        reading = (signature, tuple(id(c.variant) for c in calls), self._persistent_bytes())
+        last, self._last_reading = self._last_reading, (reading, measured)
+        if last is None or last[0] != reading:
+            # one reading is not yet the steady step: code around the runs may allocate once what later steps
+            # reuse (DistributedDataParallel rebuilds its gradient buckets at the second step: 8 MiB more in
+            # that step's climb on a 4-block model), or a step may meet a transient allocation (a GPT on
+            # this CPU read 528 KiB above its plan one step in three). Learn from the lower of two in a row.
+            self._margins.unsteady(signature)
+            return
+        measured = min(measured, last[1])
+        self._margins.steady.add(signature)
         if self.config.budget.fraction is not None and all(c.variant is c.region.keep for c in calls):
             # nothing moved: this is the unplanned step a fraction is of, measured (where the compiled kernels
             # peak above their model, ``budget=1.0`` must still be the step as it runs)

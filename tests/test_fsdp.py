@@ -1,6 +1,6 @@
-"""A model sharded with FSDP2 (``fully_shard`` per block and the root), trained through either door on two ranks
-(gloo, launched with torchrun): the parameters after four SGD steps equal FSDP2's own without karma, and each
-rank's allocator-measured peak stays within its budget. The front door read each parameter's storage, which a
+"""A model sharded with FSDP2 (``fully_shard`` per block and the root), or wrapped in DistributedDataParallel,
+trained through either door on two ranks (gloo, launched with torchrun): the parameters after four SGD steps equal
+FSDP2's (DDP's) own without karma, and each rank's allocator-measured peak stays within its budget. The front door read each parameter's storage, which a
 sharded ``DTensor`` does not expose: it raised ``RuntimeError: Attempted to access the data pointer on an invalid
 python storage``; a rank counts its own shard."""
 from __future__ import annotations
@@ -17,31 +17,40 @@ SCRIPT = textwrap.dedent('''
     import copy, gc, sys, warnings
     import torch, torch.distributed as dist, torch.nn as nn
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
     import karma_fx
     from karma_fx.measure_run import AllocatorPeak
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
     torch.manual_seed(0)
 
+    door, wrap = sys.argv[1], sys.argv[2]
+    d = 64 if wrap == "fsdp" else 128
+
     class Block(nn.Module):
-        def __init__(self, d=64):
+        def __init__(self, d=d):
             super().__init__()
             self.a, self.b = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
         def forward(self, x):
             return x + self.b(torch.tanh(self.a(x)))
 
-    base = nn.Sequential(*[Block() for _ in range(4)])
+    base = nn.Sequential(*[Block() for _ in range(4 if wrap == "fsdp" else 8)])
 
     def sharded():
         model = copy.deepcopy(base)
+        if wrap == "ddp":  # 1 MB buckets: Dynamo splits the compiled step where each bucket's gradients are done
+            return DistributedDataParallel(model, bucket_cap_mb=1)
         for block in model:
             fully_shard(block)
         fully_shard(model)
         return model
 
+    def local(p):
+        return p.to_local() if wrap == "fsdp" else p
+
     torch.manual_seed(1 + dist.get_rank())
-    xs = [torch.randn(1024, 64) for _ in range(4)]
+    xs = [torch.randn(1024, d) for _ in range(4)]
 
     def train(model, step):
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -49,48 +58,63 @@ SCRIPT = textwrap.dedent('''
         for i, x in enumerate(xs):
             if i == len(xs) - 1:  # a steady step, measured as a user would (the rank's shards and its batch)
                 gc.collect()
-                with AllocatorPeak([p.to_local() for p in model.parameters()], x) as meter:
+                with AllocatorPeak([local(p) for p in model.parameters()], x) as meter:
                     step(x).square().mean().backward()
                 peak = meter.peak_bytes
             else:
                 step(x).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return [p.full_tensor() for p in model.parameters()], peak
+        return [p.full_tensor() if wrap == "fsdp" else p.detach().clone() for p in model.parameters()], peak
 
     reference = sharded()
     want, _ = train(reference, reference)
     model = sharded()
-    if sys.argv[1] == "compile":
-        step = karma_fx.compile(model, budget=0.64)
+    budget = 0.64 if wrap == "fsdp" else 0.6
+    if door == "compile":
+        step = karma_fx.compile(model, budget=budget)
         got, peak = train(model, step)
         session = step._session
     else:
         from karma_fx.backend import _sessions
-        options = {"budget": 0.64}
+        options = {"budget": budget}
         step = torch.compile(model, backend="karma", options=options, dynamic=False)
         got, peak = train(model, step)
         session = _sessions[id(options)]
     diff = max((a - b).abs().max().item() for a, b in zip(got, want))
-    moved = sum(len(r.plan.decisions) for r in session.regions if r.last is not None)
-    print(f"RANK {dist.get_rank()} diff {diff} moved {moved} peak {peak} budget {session.budget_bytes}", flush=True)
+    predicted, unplanned, _ = session.step_figures()
+    moved = unplanned - predicted  # bytes the plans of the step's runs took off its peak
+    runs = len(session.regions)
+    of = session.budget_bytes / budget / unplanned  # the step a fraction is of, against the step as modelled
+    print(f"RANK {dist.get_rank()} diff {diff} moved {moved} peak {peak} budget {session.budget_bytes} regions {runs} "
+          f"of {of}", flush=True)
     dist.destroy_process_group()
 ''')
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("wrap", ["fsdp", "ddp"])
 @pytest.mark.parametrize("door", ["compile", "backend"])
-def test_fsdp2_trains_through_karma_as_without_it_within_the_budget(tmp_path, door):
-    script = tmp_path / "fsdp_step.py"
+def test_fsdp2_and_ddp_train_through_karma_as_without_it_within_the_budget(tmp_path, door, wrap):
+    """Under DDP, Dynamo's DDPOptimizer splits the step at its 1 MB gradient buckets: karma plans the runs of
+    those regions together (the front door once counted DDP's bucket rebuild at its second step, 8 MiB on a
+    4-block model, as the unplanned step's)."""
+    script = tmp_path / "distributed_step.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", KARMA_PROGRESS="0")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script), door], capture_output=True, text=True, timeout=240, env=env)
+                          str(script), door, wrap], capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     # (the two ranks print at once: their lines may run together)
-    ranks = re.findall(r"RANK (\d) diff (\S+) moved (\d+) peak (\d+) budget (\d+)", run.stdout)
+    ranks = re.findall(r"RANK (\d) diff (\S+) moved (\d+) peak (\d+) budget (\d+) regions (\d+) of ([\d.]+)",
+                       run.stdout)
     assert len(ranks) == 2, run.stdout
-    for rank, diff, moved, peak, budget in ranks:
+    for rank, diff, moved, peak, budget, regions, of in ranks:
+        # the fraction is of the step as it runs (measured: FSDP2's gathers are not modelled, +4% on the backend
+        # door), not of a step that rebuilt DDP's buckets (+37% before)
+        assert 0.97 <= float(of) <= 1.10, (rank, of)
         assert float(diff) <= 1e-5, (rank, diff)
         assert int(peak) <= int(budget), (rank, peak, budget)
-    assert any(int(moved) > 0 for _, _, moved, _, _ in ranks), "the budget should make some region move a tensor"
+    assert any(int(moved) > 0 for _, _, moved, *_ in ranks), "the budget should make the plans lower the step's peak"
+    if wrap == "ddp":
+        assert all(int(regions) > 1 for *_, regions, _ in ranks), "DDP's buckets should split the step"

@@ -112,12 +112,14 @@ def test_a_step_over_the_budget_makes_the_next_plans_leave_its_margin():
     assert before <= budget and not step.plan.decisions
     climb = budget + 32 * 1024 - session._persistent_bytes()  # the allocator saw this step peak 32 KiB over
     session._climbed(climb)
+    assert session._margins.of(signature) == 0  # one reading above the steps measured before it: not yet
+    session._climbed(climb)  # the next step reads the same: the lower of two in a row is over the budget
     margin = session._margins.of(signature)
     assert margin == budget + 32 * 1024 - before
     losses += _train(step, model, batches[3:])
     assert step.predicted_peak_bytes <= budget  # its model's peak and the margin, together
     assert step.plan.decisions  # so it moves tensors now
-    assert session._margins.checks.get(signature) == 1  # the step after the re-plan was measured
+    assert session._margins.checks.get(signature) == 2  # after the re-plan, two steps in a row were measured
 
     reference = _mlp()
     want = _train(reference, reference, batches)
@@ -135,10 +137,31 @@ def test_a_fraction_is_of_the_unplanned_step_as_measured():
     _train(step, model, batches[:2])
     session = step._session
     measured = session.budget_bytes + 64 * 1024
-    session._climbed(measured - session._persistent_bytes())
+    for _ in range(2):  # two steps in a row read it
+        session._climbed(measured - session._persistent_bytes())
     _train(step, model, batches[2:])
     assert session.budget_bytes == measured
     assert not step.plan.decisions
+
+
+def test_one_reading_teaches_nothing_the_lower_of_two_in_a_row_does():
+    """A step's climb is learnt from only where the next step with the same plans read as much: the lower of two
+    readings in a row counts (a step that allocated once what later steps reuse, as DistributedDataParallel's
+    bucket rebuild at its second step, or a transient allocation, is not the steady step)."""
+    torch.manual_seed(1)
+    batches = [(torch.randn(512, 64), torch.randint(0, 8, (512,))) for _ in range(3)]
+    model = _mlp()
+    step = karma_fx.compile(model, budget=1.0)
+    _train(step, model, batches)
+    session = step._session
+    budget = session._firm_unplanned  # the unplanned step as measured, two steps in a row
+    base = session._persistent_bytes()
+    session._climbed(budget + (1 << 20) - base)  # one step 1 MiB over what the steady step before it read
+    assert session._firm_unplanned == budget  # the lower of the two: the step before
+    session._climbed(budget + (64 << 10) - base)  # the next one 64 KiB over
+    assert session._firm_unplanned == budget + (64 << 10)  # the lower of the two, not the 1 MiB
+    _train(step, model, batches[:1])
+    assert session.budget_bytes == budget + (64 << 10)
 
 
 def test_a_step_that_grew_the_host_pool_teaches_no_margin():
@@ -159,7 +182,8 @@ def test_a_step_that_grew_the_host_pool_teaches_no_margin():
     host_pool.misses += 1  # as a buffer allocated during this step would
     session._climbed(over)
     assert session._margins.of(signature) == 0
-    session._fresh_at_start = (session._fresh_runs, host_pool.misses)  # a steady step, the same climb
+    session._fresh_at_start = (session._fresh_runs, host_pool.misses)  # steady steps, the same climb
+    session._climbed(over)
     session._climbed(over)
     assert session._margins.of(signature) > 0
 
