@@ -195,8 +195,9 @@ class Session:
             # steady step; measure a later one (``Margins.wanted``, ``Margins.unsteady``)
             self._margins.unsteady(signature)
             return
-        measured = self._persistent_bytes() + climb
-        reading = (signature, tuple(id(c.variant) for c in calls), self._persistent_bytes())
+        base = self._persistent_bytes()
+        measured = base + climb
+        reading = (signature, tuple(id(c.variant) for c in calls), base)
         last, self._last_reading = self._last_reading, (reading, measured)
         if last is None or last[0] != reading:
             # one reading is not yet the steady step: code around the runs may allocate once what later steps
