@@ -63,8 +63,9 @@ class Prepared:
         return self.keep.peak_bytes
 
     def min_peak_bytes(self) -> int:
-        """The lowest peak any plan here reaches: every saved activation swapped out synchronously right after
-        its last forward read and fetched back just in time."""
+        """The lowest peak of the plans known (``karma_fx.strategies.leanest``): every saved activation swapped
+        out synchronously right after its last forward read and fetched back just in time; without a host link
+        the leanest recompute-only plan. The default strategy fits a budget of this many bytes."""
         if self._min_peak is None:
             self._min_peak = leanest_peak(self.problem, self.costs)
         return self._min_peak
@@ -128,12 +129,13 @@ class Prepared:
         if raise_if_infeasible and not plan.fits:
             floor = (leanest_peak(self.problem, self.costs, stream_weights=True) if offload_weights
                      else self.min_peak_bytes())
+            how = ("every saved activation swapped out and back just in time" if self.costs.allow_offload else
+                   "the leanest recompute-only plan known, which rebuilds from checkpoints")
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit {self.problem.name} in {format_bytes(budget_bytes)}: its "
                 f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget known to work is "
-                f"{format_bytes(floor)} ({floor} bytes: every saved activation "
-                f"{'swapped out and back' if self.costs.allow_offload else 'dropped and recomputed'} just in time, "
-                f"which strategy='cpsat' can reach); the unplanned peak is {format_bytes(self.unplanned_peak_bytes)}.",
+                f"{format_bytes(floor)} ({floor} bytes: {how}, which strategy='cpsat' reaches); the unplanned peak "
+                f"is {format_bytes(self.unplanned_peak_bytes)}.",
                 min_budget_bytes=floor, budget_bytes=budget_bytes)
         return Planned(plan=plan, problem=self.problem, costs=self.costs, timeline=timeline, step=self.step,
                        seconds={**self.seconds, "strategy": solve_s})

@@ -519,8 +519,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print()
     print(f"unplanned peak     {format_bytes(prepared.unplanned_peak_bytes)}")
     print(f"unlimited step     {keep.makespan_us / 1e3:,.3f} ms")
-    print(f"smallest peak      {format_bytes(prepared.min_peak_bytes())} (every saved activation swapped out "
-          "and back just in time: the smallest budget known to work)")
+    how = ("every saved activation swapped out and back just in time" if prepared.costs.allow_offload
+           else "the leanest recompute-only plan known")
+    print(f"smallest peak      {format_bytes(prepared.min_peak_bytes())} ({how}: the smallest budget known to work)")
     if not args.quiet:
         print(f"capture            {_seconds(prepared.seconds, ('build', 'capture', 'liveness', 'costs'))}")
         print("planning time      " + ", ".join(f"{s} {t:.2f} s" for s, t in per_strategy.items())
