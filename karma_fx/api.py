@@ -129,12 +129,17 @@ class Prepared:
         if raise_if_infeasible and not plan.fits:
             floor = (leanest_peak(self.problem, self.costs, stream_weights=True) if offload_weights
                      else self.min_peak_bytes())
-            how = ("every saved activation swapped out and back just in time" if self.costs.allow_offload else
-                   "the leanest recompute-only plan known, which rebuilds from checkpoints")
+            how = ("every saved activation swapped out and back just in time, which strategy='cpsat' reaches"
+                   if self.costs.allow_offload else
+                   "the leanest recompute-only plan known, rebuilding from checkpoints, which strategy='cpsat' "
+                   "reaches")
+            if not self.problem.saved_activations():
+                how = ("nothing moved: no forward output is read by a backward node, and only those are moved; "
+                       "general rematerialization of a graph without a backward is not modelled")
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit {self.problem.name} in {format_bytes(budget_bytes)}: its "
                 f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget known to work is "
-                f"{format_bytes(floor)} ({floor} bytes: {how}, which strategy='cpsat' reaches); the unplanned peak "
+                f"{format_bytes(floor)} ({floor} bytes: {how}); the unplanned peak "
                 f"is {format_bytes(self.unplanned_peak_bytes)}.",
                 min_budget_bytes=floor, budget_bytes=budget_bytes)
         return Planned(plan=plan, problem=self.problem, costs=self.costs, timeline=timeline, step=self.step,

@@ -3,14 +3,21 @@
 The format is the one rematerialization planners exchange (Checkmate, Moccasin): a JSON object with
 
 * ``nodes``: objects with an ``id``, ``cost_cpu`` (the node's compute time, in time units), ``cost_ram`` (the
-  bytes of the node's output), ``backward`` (true for nodes of the backward pass) and ``name``;
+  bytes of the node's output), ``backward`` (true for nodes of the backward pass) and ``name``. Where no node
+  has an ``id``, each node's ``name`` is its id (Moccasin's files);
 * ``links`` (or ``edges``, as newer networkx writes it): objects with ``source`` and ``target`` ids, each a
-  data dependency (the target reads the source's output);
+  data dependency (the target reads the source's output); ``"0"`` and ``"1"`` stand for them where a graph
+  was written with those link keys (Moccasin's files again);
 * ``graph``: optional attributes. ``order`` lists the node ids in execution order; without it the ids are the
   execution order (integers ascending, or the order of ``nodes`` for other ids). ``cpu_tag`` and ``ram_tag``
-  name the node keys holding the time and the size, for graphs that use other names; without them
-  ``cost_cpu`` / ``cost_ram`` are read, or ``duration`` / ``out_cost`` when no node has the former. A graph
-  whose nodes carry no ``backward`` flag at all is read as forward only (nothing then can be moved).
+  (Moccasin: ``node_duration_tag``, ``node_output_cost_tag``) name the node keys holding the time and the
+  size, for graphs that use other names; without them ``cost_cpu`` / ``cost_ram`` are read, or ``duration`` /
+  ``out_cost`` when no node has the former. Moccasin's parameter, input and edge costs
+  (``node_param_cost_tag``, ``node_input_cost_tag``, ``edge_cost_tag``) are read to check that they are zero,
+  as in every graph it ships: memory outside the nodes' outputs is not modelled, so a graph with any is
+  refused rather than planned wrongly. ``source_node`` / ``target_node``, where given, must be the first and
+  the last node in execution order. A graph whose nodes carry no ``backward`` flag at all is read as forward
+  only (nothing then can be moved: general rematerialization is not modelled).
 
 Mapping (``read_node_link``): node ``k`` in execution order is op ``k``, producing one storage of ``cost_ram``
 bytes named like the op (the node's ``name``; ``name#id`` where names repeat); forward nodes must all come
@@ -137,14 +144,52 @@ def _costs(by_id: Mapping[Any, Mapping[str, Any]], order: list, key: str, what: 
     return values
 
 
-def _tag(graph_attrs: Mapping[str, Any], nodes: list, attr: str, defaults: tuple[str, str]) -> str:
-    if attr in graph_attrs:
-        tag = graph_attrs[attr]
-        if not isinstance(tag, str):
-            raise GraphFormatError(f"graph attribute {attr} must name a node key, got {tag!r}")
-        return tag
+def _tag(graph_attrs: Mapping[str, Any], nodes: list, attrs: tuple[str, ...], defaults: tuple[str, str]) -> str:
+    """The node key named by the first of ``attrs`` the graph has, else the first of ``defaults`` any node has
+    (or the second, where only it appears)."""
+    for attr in attrs:
+        if attr in graph_attrs:
+            tag = graph_attrs[attr]
+            if not isinstance(tag, str):
+                raise GraphFormatError(f"graph attribute {attr} must name a node key, got {tag!r}")
+            return tag
     first, second = defaults
     return first if any(first in n for n in nodes) or not any(second in n for n in nodes) else second
+
+
+def _link_ends(link: Any) -> tuple[Any, Any] | None:
+    """A link's (source, target): keyed ``source`` / ``target``, or ``"0"`` / ``"1"`` as networkx writes a graph
+    whose link keys were given as 0 and 1; None when it is neither."""
+    if not isinstance(link, Mapping):
+        return None
+    for s_key, t_key in (("source", "target"), ("0", "1")):
+        if s_key in link and t_key in link:
+            return link[s_key], link[t_key]
+    return None
+
+
+OTHER_COSTS = (("node_param_cost_tag", "param_cost", "its parameters' bytes"),
+               ("node_input_cost_tag", "input_cost", "its inputs' bytes"))
+"""Moccasin's graph attributes naming node costs besides the output, with the key each names by default."""
+
+
+def _refuse_other_costs(attrs: Mapping[str, Any], nodes: list, links: list, id_key: str) -> None:
+    """Refuse a graph that gives memory outside the nodes' outputs (parameter, input or edge costs) anything but
+    zero: the memory model here counts outputs only, and a plan made without them would not fit."""
+    for attr, default, what in OTHER_COSTS:
+        key = attrs.get(attr, default)
+        for n in nodes:
+            value = n.get(key, 0) if isinstance(key, str) else 0
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0:
+                continue
+            raise GraphFormatError(f"node {n[id_key]!r} has {key} {value!r:.40} ({what}): only the bytes of each "
+                                   "node's output are modelled, so a graph with other memory costs is not read")
+    edge_key = attrs.get("edge_cost_tag", "edge_cost")
+    for k, link in enumerate(links):
+        value = link.get(edge_key, 0) if isinstance(link, Mapping) and isinstance(edge_key, str) else 0
+        if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0):
+            raise GraphFormatError(f"links[{k}] has {edge_key} {value!r:.40}: only the bytes of each node's output "
+                                   "are modelled, so a graph with edge costs is not read")
 
 
 def _find_cycle(ids: list, succ: dict) -> list | None:
@@ -197,13 +242,15 @@ def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | N
     for k, node in enumerate(nodes):
         if not isinstance(node, Mapping):
             raise GraphFormatError(f"nodes[{k}] must be an object, got {type(node).__name__}")
-        if "id" not in node:
-            raise GraphFormatError(f"nodes[{k}] has no 'id'")
-    cpu_tag = _tag(attrs, nodes, "cpu_tag", CPU_TAGS)
-    ram_tag = _tag(attrs, nodes, "ram_tag", RAM_TAGS)
+    id_key = "id" if any("id" in n for n in nodes) or not all("name" in n for n in nodes) else "name"
+    for k, node in enumerate(nodes):
+        if id_key not in node:
+            raise GraphFormatError(f"nodes[{k}] has no 'id'" + (" (other nodes have one)" if k else ""))
+    cpu_tag = _tag(attrs, nodes, ("cpu_tag", "node_duration_tag"), CPU_TAGS)
+    ram_tag = _tag(attrs, nodes, ("ram_tag", "node_output_cost_tag"), RAM_TAGS)
     by_id: dict[Any, Mapping[str, Any]] = {}
     for node in nodes:
-        node_id = node["id"]
+        node_id = node[id_key]
         if not isinstance(node_id, (str, int)) or isinstance(node_id, bool):
             raise GraphFormatError(f"node ids must be integers or strings, got {node_id!r}")
         if node_id in by_id:
@@ -211,15 +258,16 @@ def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | N
         by_id[node_id] = node
     flagged = [n for n in nodes if "backward" in n]
     if flagged and len(flagged) < len(nodes):
-        missing = next(n["id"] for n in nodes if "backward" not in n)
+        missing = next(n[id_key] for n in nodes if "backward" not in n)
         raise GraphFormatError(f"node {missing!r} has no 'backward' flag (other nodes have one)")
     for n in nodes:
         label = n.get("name")
         if label is not None and (not isinstance(label, (str, int, float)) or isinstance(label, bool)):
-            raise GraphFormatError(f"node {n['id']!r}: name must be a string, got {type(label).__name__}")
+            raise GraphFormatError(f"node {n[id_key]!r}: name must be a string, got {type(label).__name__}")
     for n in flagged:
         if not isinstance(n["backward"], bool):
-            raise GraphFormatError(f"node {n['id']!r}: backward must be true or false, got {n['backward']!r}")
+            raise GraphFormatError(f"node {n[id_key]!r}: backward must be true or false, got {n['backward']!r}")
+    _refuse_other_costs(attrs, nodes, links, id_key)
 
     # Execution order.
     if "order" in attrs:
@@ -229,15 +277,16 @@ def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | N
     elif all(isinstance(i, int) for i in by_id):
         order = sorted(by_id)
     else:
-        order = [n["id"] for n in nodes]
+        order = [n[id_key] for n in nodes]
     position = {node_id: k for k, node_id in enumerate(order)}
 
     succ: dict[Any, list] = {i: [] for i in by_id}
     pred: dict[Any, list] = {i: [] for i in by_id}
     for k, link in enumerate(links):
-        if not isinstance(link, Mapping) or "source" not in link or "target" not in link:
+        ends = _link_ends(link)
+        if ends is None:
             raise GraphFormatError(f"links[{k}] needs a 'source' and a 'target'")
-        s, t = link["source"], link["target"]
+        s, t = ends
         for end in (s, t):
             if not isinstance(end, (str, int)) or isinstance(end, bool) or end not in by_id:
                 raise GraphFormatError(f"links[{k}] refers to unknown node {end!r}")
@@ -252,6 +301,10 @@ def read_node_link(source: Union[str, Path, Mapping[str, Any]], *, name: str | N
             if position[t] < position[s]:
                 raise GraphFormatError(f"link {s!r} -> {t!r} goes from a later node to an earlier one: node ids "
                                        "must be in execution order (or give the graph an 'order' attribute)")
+    for attr, at in (("source_node", 0), ("target_node", -1)):
+        if attr in attrs and repr(attrs[attr]) != repr(order[at]):
+            raise GraphFormatError(f"graph attribute {attr} is {attrs[attr]!r}, but the {'first' if at == 0 else 'last'}"
+                                   f" node in execution order is {order[at]!r}")
     backward = [bool(by_id[i].get("backward", False)) for i in order]
     if any(b and not later for b, later in zip(backward, backward[1:])):
         k = next(k for k in range(len(order) - 1) if backward[k] and not backward[k + 1])

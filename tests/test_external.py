@@ -67,6 +67,59 @@ def test_random_layered_tags_and_order_are_read():
     assert graph.problem.num_fwd_ops == 3  # no backward flag at all: forward only
 
 
+def moccasin_shaped() -> dict:
+    """A small graph written as Moccasin writes its random layered graphs: no ``id`` (the ``name`` is the id),
+    links keyed ``"0"`` / ``"1"``, graph attributes naming the cost keys, a source, a target (id 1, last) and an
+    execution order that is not the ids'. No backward flags: forward only."""
+    return {"directed": True, "multigraph": False,
+            "graph": {"name": "moccasin-shaped", "pos": {"0": [0, 0], "2": [0, -1], "3": [1, -1], "1": [0, -2]},
+                      "source_node": 0, "target_node": 1, "node_output_cost_tag": "out_cost",
+                      "node_param_cost_tag": "param_cost", "node_input_cost_tag": "input_cost",
+                      "node_duration_tag": "duration", "edge_cost_tag": "edge_cost", "max_cost": 1,
+                      "order": [0, 3, 2, 1]},
+            "nodes": [{"out_cost": 7, "param_cost": 0, "duration": 0, "name": 0},
+                      {"out_cost": 9, "param_cost": 0, "duration": 0, "name": 1},
+                      {"out_cost": 5, "param_cost": 0, "duration": 4, "name": 2},
+                      {"out_cost": 3, "param_cost": 0, "duration": 6, "name": 3}],
+            "links": [{"0": 0, "1": 2}, {"0": 0, "1": 3}, {"0": 3, "1": 2}, {"0": 2, "1": 1}, {"0": 3, "1": 1}]}
+
+
+def test_moccasin_files_are_read_as_written():
+    graph = read_node_link(moccasin_shaped())
+    problem = graph.problem
+    assert [op.name for op in problem.ops] == ["0", "3", "2", "1"] and graph.node_ids == (0, 3, 2, 1)
+    assert graph.op_time_us == (0.0, 6.0, 4.0, 0.0)
+    assert [s.size_bytes for s in problem.storages] == [7, 3, 5, 9]
+    assert [op.inputs for op in problem.ops] == [(), ("0",), ("0", "3"), ("3", "2")]
+    assert problem.num_fwd_ops == 4 and not problem.saved_activations()
+
+
+def test_a_graph_without_a_backward_is_refused_saying_why():
+    from karma_fx.errors import InfeasibleBudgetError
+
+    prepared = prepare_graph(moccasin_shaped())
+    with pytest.raises(InfeasibleBudgetError, match="no forward output is read by a backward node.*general "
+                                                     "rematerialization .* not modelled") as info:
+        prepared.plan(0.8)
+    assert info.value.min_budget_bytes == prepared.unplanned_peak_bytes == 17
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d["nodes"][2].update(param_cost=64), "node 2 has param_cost 64 .*only the bytes of each node's output"),
+    (lambda d: d["nodes"][3].update(input_cost=8), "node 3 has input_cost 8"),
+    (lambda d: d["links"][1].update(edge_cost=2), r"links\[1\] has edge_cost 2"),
+    (lambda d: d["graph"].update(target_node=2), "target_node is 2, but the last node in execution order is 1"),
+    (lambda d: d["graph"].update(source_node=3), "source_node is 3, but the first node"),
+    (lambda d: d["nodes"][1].update(id=1), r"nodes\[0\] has no 'id'"),
+    (lambda d: d["links"].append({"0": 2}), r"links\[5\] needs a 'source' and a 'target'"),
+])
+def test_moccasin_shaped_errors(change, needle):
+    data = moccasin_shaped()
+    change(data)
+    with pytest.raises(GraphFormatError, match=needle):
+        read_node_link(data)
+
+
 def _broken(change) -> dict:
     data = copy.deepcopy(FIVE)
     change(data)
