@@ -133,9 +133,14 @@ class Prepared:
                    if self.costs.allow_offload else
                    "the leanest recompute-only plan known, rebuilding from checkpoints, which strategy='cpsat' "
                    "reaches")
-            if not self.problem.saved_activations():
-                how = ("nothing moved: no forward output is read by a backward node, and only those are moved; "
-                       "general rematerialization of a graph without a backward is not modelled")
+            if not self.problem.saved_activations() and not self.costs.allow_offload:
+                how = ("the leanest plan general rematerialization (strategy='remat') finds, which strategy='cpsat' "
+                       "reaches" if floor < self.unplanned_peak_bytes else
+                       "nothing moved: general rematerialization (strategy='remat') finds no drop that lowers the "
+                       "peak of this graph without a backward")
+            elif not self.problem.saved_activations():
+                how = ("nothing moved: no forward output is read by a backward node, the only tensors plans offload;"
+                       " plan it recompute only (allow_offload=False) for general rematerialization")
             raise InfeasibleBudgetError(
                 f"strategy {plan.strategy!r} cannot fit {self.problem.name} in {format_bytes(budget_bytes)}: its "
                 f"best plan peaks at {format_bytes(plan.peak_bytes)}. The smallest budget known to work is "

@@ -64,7 +64,8 @@ class Budget:
             return cls(fraction=value, text=text)
         if value < MIN_BYTES:
             raise BudgetError(f"budget {text} is ambiguous: a fraction of the unplanned peak is at most 1, and a "
-                              f"size in bytes at least {MIN_BYTES}; write e.g. '{value:g}GiB' or 0.5")
+                              f"plain number of bytes at least {MIN_BYTES}; write e.g. '{value:g}GiB', 0.5, or "
+                              f"'{value:g}B' (a graph counted in small units)")
         return cls(size_bytes=_positive_bytes(value, text), text=text)
 
     def resolve(self, unplanned_peak_bytes: int | None) -> int:

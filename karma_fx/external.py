@@ -390,8 +390,8 @@ def prepare_graph(source: Union[str, Path, Mapping[str, Any], ExternalGraph], *,
 # ---- random layered graphs --------------------------------------------------------------------------------
 def random_layered_graph(n_nodes: int, seed: int, *, max_width: int = 4, edge_prob: float = 0.15,
                          max_skip: int = 2, time_range: tuple[int, int] = (1, 100),
-                         size_range_mib: tuple[int, int] = (1, 64), backward_time_factor: float = 2.0
-                         ) -> dict[str, Any]:
+                         size_range_mib: tuple[int, int] = (1, 64), backward_time_factor: float = 2.0,
+                         backward: bool = True) -> dict[str, Any]:
     """A random layered training graph of about ``n_nodes`` nodes as a node-link dict (the format
     ``read_node_link`` reads), the same for the same arguments.
 
@@ -400,13 +400,17 @@ def random_layered_graph(n_nodes: int, seed: int, *, max_width: int = 4, edge_pr
     with probability ``edge_prob / distance``; every node is read by the next layer. Times are random
     integers in ``time_range``, sizes random whole MiB in ``size_range_mib``. Backward: a mirror, one node
     per forward node in reverse order, reading that node, its forward inputs and the backward nodes of its
-    readers (as a gradient does); it takes ``backward_time_factor`` times as long and is as large."""
+    readers (as a gradient does); it takes ``backward_time_factor`` times as long and is as large.
+
+    ``backward=False``: ``n_nodes`` forward nodes and no mirror, written as Moccasin writes its random layered
+    graphs (no ids, the name is the id; links keyed ``"0"`` / ``"1"``; graph attributes naming the cost keys;
+    a source, a target and an order): the general rematerialization problem, planned by ``remat``."""
     if not isinstance(n_nodes, int) or n_nodes < 4:
         raise KarmaError(f"n_nodes must be an integer of at least 4, got {n_nodes!r}")
     if max_width < 1 or max_skip < 1 or not 0 <= edge_prob <= 1:
         raise KarmaError("max_width and max_skip must be at least 1 and edge_prob in [0, 1]")
     rng = random.Random(seed)
-    n_fwd = n_nodes // 2
+    n_fwd = n_nodes // 2 if backward else n_nodes
     layers: list[list[int]] = []
     left, nxt = n_fwd - 1, 0
     while left > 0:
@@ -433,6 +437,16 @@ def random_layered_graph(n_nodes: int, seed: int, *, max_width: int = 4, edge_pr
     for v, ps in preds.items():
         for u in ps:
             succs[u].add(v)
+
+    if not backward:
+        return {"directed": True, "multigraph": False,
+                "graph": {"name": f"layered-forward-{n_fwd}-s{seed}", "seed": seed, "source_node": 0,
+                          "target_node": n_fwd - 1, "node_duration_tag": "duration",
+                          "node_output_cost_tag": "out_cost", "node_param_cost_tag": "param_cost",
+                          "order": list(range(n_fwd))},
+                "nodes": [{"name": v, "duration": times[v], "out_cost": sizes[v], "param_cost": 0}
+                          for v in range(n_fwd)],
+                "links": [{"0": u, "1": v} for v in range(n_fwd) for u in sorted(preds[v])]}
 
     def bwd(v: int) -> int:
         return n_fwd + (n_fwd - 1 - v)

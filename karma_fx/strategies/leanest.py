@@ -4,7 +4,8 @@ They combine the building blocks of ``base`` with ``torch_budget``'s grouped rec
 an impossible budget and ``weights``' streams, so they live above all of them rather than inside ``base`` (which
 every strategy imports).
 
-Without a host link the floor is the lowest of three plans, because no fixed recipe is lean on every graph:
+Without a host link the floor is the lowest of three plans (four on a graph without a backward, where only
+general rematerialization moves anything: ``leanest_remat``), because no fixed recipe is lean on every graph:
 rebuilding every saved activation (``leanest_recomputes``) rebuilds a chain's whole prefix before its first
 backward reader and keeps it until its last one, so on a plain chain (VGG-16, any layered graph) it peaks at
 the unplanned step itself; greedy, asked to fit nothing at all, keeps checkpoints and gets Moccasin's VGG-16
@@ -19,6 +20,7 @@ from karma_fx.plan import Decision, Offload
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import RecomputeBuilder, figures_of, offload_for, reconcile, saved_gaps
 from karma_fx.strategies.greedy import Greedy
+from karma_fx.strategies.remat import Remat
 from karma_fx.strategies.torch_budget import decisions_for_saved
 from karma_fx.strategies.weights import weight_streams
 
@@ -42,6 +44,27 @@ def leanest_moves(problem: Problem, costs: Costs) -> tuple[Decision, ...]:
     return leanest_swaps(problem) if costs.allow_offload else leanest_decisions(problem, costs)
 
 
+REMAT_PROBES = 8
+"""Budgets ``leanest_remat`` tries, halving the interval each time: 1/256 of the peak apart at the end."""
+
+
+def leanest_remat(problem: Problem, costs: Costs) -> tuple[Decision, ...]:
+    """The leanest plan ``remat``'s greedy pass finds, for graphs without a backward where it is the only
+    strategy that moves anything: asked for nothing it minimises the bytes over budget summed over the step,
+    not the peak, so the budget is bisected between nothing and the unplanned peak instead."""
+    peak = figures_of(problem, costs, ()).peak_bytes
+    low, high, best = 0, peak, ()
+    for _ in range(REMAT_PROBES):
+        mid = (low + high) // 2
+        decisions = Remat(exact=False)(problem, costs, mid).decisions
+        reached = figures_of(problem, costs, decisions).peak_bytes
+        if reached <= mid:
+            best, high = decisions, reached
+        else:
+            low = mid
+    return best
+
+
 def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> tuple[Decision, ...]:
     """The decisions of the leanest plan known: every saved activation swapped out synchronously right after
     its last forward read and fetched back just in time (``leanest_swaps``), or nothing where that peaks
@@ -51,6 +74,8 @@ def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = 
     if not costs.allow_offload:
         options_ro: list[tuple[Decision, ...]] = [leanest_recomputes(problem), Greedy()(problem, costs, 0).decisions,
                                                   ()]
+        if not problem.saved_activations():
+            options_ro.append(leanest_remat(problem, costs))
         return min(options_ro, key=lambda d: figures_of(problem, costs, d).peak_bytes)
     swaps = leanest_swaps(problem)
     if stream_weights:

@@ -59,6 +59,39 @@ class CpSat:
             return self._plan(problem, costs, budget_bytes)
 
     def _plan(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
+        """The plan of saved activations (``_plan_saved``), or without a host link a general rematerialization
+        fallback's (``Remat``) where that one fits and is faster, or fits where nothing else does. The lower
+        bound and the solver's proofs cover only plans that move saved activations, so a plan from outside
+        claims neither."""
+        plan = self._plan_saved(problem, costs, budget_bytes)
+        general = [s for s in self.fallbacks if getattr(s, "recompute_only", False)]
+        if costs.allow_offload or not general or not plan.decisions and plan.status == "OPTIMAL":
+            return plan
+        mine = figures_of(problem, costs, plan.decisions)
+        lowest = None
+        for strategy in general:
+            if mine.peak_bytes <= budget_bytes and progress.past_deadline():
+                break
+            progress.report("general rematerialization", strategy=strategy.name)
+            other = strategy(problem, costs, budget_bytes)
+            tl = figures_of(problem, costs, other.decisions)
+            if tl.peak_bytes <= budget_bytes and (mine.peak_bytes > budget_bytes or tl.makespan_us < mine.makespan_us):
+                why = ("no plan of saved activations fits" if mine.peak_bytes > budget_bytes else
+                       f"faster than the best plan of saved activations ({mine.makespan_us / 1e3:.3f} ms)")
+                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=other.decisions,
+                            status=f"FALLBACK:{strategy.name}", lower_bound_us=None,
+                            notes=(f"general rematerialization ({strategy.name}) was {why}; the lower bound covers "
+                                   "only plans of saved activations, so none is claimed",) + other.notes)
+            if tl.peak_bytes > budget_bytes and tl.peak_bytes < mine.peak_bytes and (
+                    lowest is None or tl.peak_bytes < lowest[0]):
+                lowest = (tl.peak_bytes, other)
+        if lowest is not None:  # nothing fits: the plan with the lowest peak, as below
+            return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lowest[1].decisions,
+                        status="INFEASIBLE", lower_bound_us=None,
+                        notes=(f"no plan found fits: {lowest[1].strategy}'s, the lowest peak, is returned",))
+        return plan
+
+    def _plan_saved(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         keep = timeline_of(problem, costs, ())
         if keep.peak_bytes <= budget_bytes:
             return Plan(strategy=self.name, budget_bytes=budget_bytes, status="OPTIMAL",
@@ -83,7 +116,13 @@ class CpSat:
             progress.report("lower bound", strategy=self.name)
             proven = lower_bound_us(problem, costs, budget_bytes, base)
             if proven is None:
-                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest_moves(problem, costs),
+                leanest = leanest_moves(problem, costs)
+                if not costs.allow_offload and figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
+                    return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
+                                status="FALLBACK:leanest", notes=(
+                                    "the lower bound proves that no plan of saved activations fits, but the leanest "
+                                    "plan known does (it rematerializes other tensors too); no bound is claimed",))
+                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
                             status="INFEASIBLE", notes=(
                                 "no plan can fit this budget: a relaxed model of every possible plan (a linear "
                                 "program) proves it; the plan with the lowest peak is returned",))
@@ -97,6 +136,8 @@ class CpSat:
         for strategy in self.fallbacks:
             if best is not None and out_of_time():
                 break  # until a plan fits, the heuristics run even past the deadline
+            if getattr(strategy, "recompute_only", False):
+                continue  # planned last, apart (``_plan``)
             say("heuristics", strategy.name)
             plan = strategy(problem, costs, budget_bytes)
             tl = figures_of(problem, costs, plan.decisions)
