@@ -9,6 +9,11 @@ Each GPU plans its own out-of-core step (the per-GPU batch is fixed: weak scalin
 optimizer update. Efficiency = step time on one GPU / step time on N GPUs. The busy shares are fractions of the
 step in which each resource works; they overlap, so they add up to more than 100%.
 
+Beside it, FSDP2 (``karma_fx.fsdp.fsdp_step``): the same per-GPU plan with each block's weights all-gathered for
+its forward and backward (prefetched one block ahead) and its gradients reduce-scattered, the update on the device.
+The plan is the one made for replicated weights: a rank that holds 1/N of them has more room for activations,
+which this does not re-plan, so FSDP2's column is an upper bound on its step time.
+
 Models: Megatron-style GPT (the zoo's ``megatron_gpt``) at 1.5B (hidden 1600, 48 layers, 25 heads) and 8.3B
 (hidden 3072, 72 layers, 32 heads), sequence 1024, fp32.
 """
@@ -22,6 +27,7 @@ from tabulate import tabulate
 
 import karma_fx
 from karma_fx.cluster import Cluster, parallel_step, weak_scaling_efficiency
+from karma_fx.fsdp import fsdp_step
 from karma_fx.zoo import build
 
 MODELS = {"1.5B": dict(hidden=1600, layers=48, heads=25), "8.3B": dict(hidden=3072, layers=72, heads=32)}
@@ -71,11 +77,16 @@ def main(argv: list[str] | None = None) -> int:
             cluster = Cluster(nodes=max(1, gpus // per_node), gpus_per_node=per_node, network_gbps=a.network_gbps)
             step = parallel_step(planned.problem, planned.timeline, planned.costs, cluster)
             eff = weak_scaling_efficiency(planned.problem, planned.timeline, planned.costs, cluster)
+            sharded = fsdp_step(planned.problem, planned.timeline, cluster)
             rows.append([gpus, cluster.nodes, f"{step.step_time_us / 1e3:,.1f}", f"{eff:.1%}",
                          f"{step.share(step.compute_us):.0%}", f"{step.share(step.copy_us):.0%}",
-                         f"{step.share(step.allreduce_us):.0%}", f"{step.share(step.host_update_us):.0%}"])
+                         f"{step.share(step.allreduce_us):.0%}", f"{step.share(step.host_update_us):.0%}",
+                         f"{sharded.step_time_us / 1e3:,.1f}",
+                         f"{planned.timeline.makespan_us / sharded.step_time_us:.1%}",
+                         f"{sharded.share(sharded.allreduce_us):.0%}"])
         print(tabulate(rows, headers=["GPUs", "nodes", "step ms", "efficiency", "compute", "copies", "all-reduce",
-                                      "host update"], tablefmt="github"))
+                                      "host update", "FSDP2 step ms", "FSDP2 eff.", "gather+scatter"],
+                       tablefmt="github"))
         print(f"one GPU alone, no exchange, no host update: {planned.timeline.makespan_us / 1e3:,.1f} ms; "
               f"slowdown over unlimited memory {plan.slowdown:.3f}x\n")
     return 0

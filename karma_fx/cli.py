@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (with --nodes; default 1)")
     p_plan.add_argument("--network-gbps", type=float, default=100.0,
                         help="network bandwidth per node in Gbit/s (with --nodes; default 100, InfiniBand EDR)")
+    p_plan.add_argument("--fsdp", action="store_true",
+                        help="with --nodes: also predict the step under FSDP2 (fully_shard per block and the root: "
+                             "per-block all-gathers prefetched one block ahead, gradients reduce-scattered)")
     p_plan.set_defaults(func=cmd_plan, parser=p_plan)
 
     p_cmp = sub.add_parser("compare", help="plan every strategy at several budgets and print a grid",
@@ -385,6 +388,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{_seconds(seconds, ('build', 'capture', 'liveness', 'costs', 'strategy'))}")
     if cluster is not None:
         _print_data_parallel(cluster, planned)
+        if args.fsdp:
+            _print_fsdp(cluster, planned)
     _write_outputs(args, planned, plan.device)
     return 0
 
@@ -395,7 +400,8 @@ def _plan_graph(args: argparse.Namespace) -> int:
     from karma_fx.strategies import STRATEGY_NAMES
 
     given = [flag for key, flag in _MODEL_FLAGS if getattr(args, key) is not None]
-    given += [flag for flag, on in (("--offload-weights", args.offload_weights), ("--nodes", args.nodes is not None))
+    given += [flag for flag, on in (("--offload-weights", args.offload_weights), ("--nodes", args.nodes is not None),
+                                    ("--fsdp", args.fsdp))
               if on]
     if given:
         raise CliError(f"--graph plans the graph in the file: {', '.join(given)} "
@@ -452,6 +458,8 @@ def _cluster(args: argparse.Namespace) -> Any:
     from karma_fx.errors import KarmaError
 
     if args.nodes is None:
+        if getattr(args, "fsdp", False):
+            raise CliError("--fsdp predicts the step on many GPUs: give --nodes (and --gpus-per-node)")
         return None
     try:
         return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, network_gbps=args.network_gbps)
@@ -470,6 +478,18 @@ def _print_data_parallel(cluster: Any, planned: Any) -> None:
           f"weak-scaling efficiency {efficiency:.1%} ({step.buckets} gradient buckets); busy share of the step: "
           f"compute {step.share(step.compute_us):.0%}, copies {step.share(step.copy_us):.0%}, all-reduce "
           f"{step.share(step.allreduce_us):.0%}, host update {step.share(step.host_update_us):.0%}")
+
+
+def _print_fsdp(cluster: Any, planned: Any) -> None:
+    """The predicted FSDP2 step on ``cluster`` (``karma_fx.fsdp``), beside the data-parallel one."""
+    from karma_fx.fsdp import fsdp_step, fsdp_units
+
+    step = fsdp_step(planned.problem, planned.timeline, cluster)
+    units = fsdp_units(planned.problem)
+    print(f"FSDP2 on {cluster.world_size} GPUs ({len(units)} units: {len(units) - 1} blocks and the root; each rank "
+          f"holds 1/{cluster.world_size} of the weights): step {step.step_time_us / 1e3:,.3f} ms, "
+          f"{step.step_time_us / step.single_step_us - 1:+.1%} over one GPU alone; busy share of the step: compute "
+          f"{step.share(step.compute_us):.0%}, all-gather and reduce-scatter {step.share(step.allreduce_us):.0%}")
 
 
 def _split(text: str, what: str) -> list[str]:

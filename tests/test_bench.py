@@ -59,7 +59,7 @@ def test_scaling_smoke(capsys):
     scaling = load("scaling")
     assert scaling.main(["--size", "tiny", "--models", "1.5B", "--gpus", "1,8"]) == 0
     out = capsys.readouterr().out
-    assert "efficiency" in out and "all-reduce" in out
+    assert "efficiency" in out and "all-reduce" in out and "FSDP2 eff." in out
 
 
 def test_versus_torch_pairs_at_equal_or_higher_peak():
