@@ -31,7 +31,7 @@ from karma_fx.strategies.cpsat.bound import lower_bound_us
 from karma_fx.budget import format_bytes, parse_budget
 from karma_fx.errors import KarmaError
 from karma_fx.report import compare_table
-from karma_fx.strategies import STRATEGY_NAMES
+from karma_fx.strategies import COMPARED
 from karma_fx.zoo import build
 from tabulate import tabulate
 
@@ -193,7 +193,7 @@ def side_by_side(first: list[dict[str, Any]], second: list[dict[str, Any]], ours
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(KARMA_MODELS + LLM_MODELS))
-    p.add_argument("--strategies", default=",".join(STRATEGY_NAMES))
+    p.add_argument("--strategies", default=",".join(COMPARED))
     p.add_argument("--budgets", default="0.7,0.5,0.35,0.25")
     p.add_argument("--size", choices=("tiny", "real"), default="real")
     p.add_argument("--device", default="h100")

@@ -117,7 +117,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree; separate from ``main`` so docs and tests can inspect it."""
-    from karma_fx.strategies import DEFAULT_STRATEGY, STRATEGY_NAMES
+    from karma_fx.strategies import COMPARED, DEFAULT_STRATEGY, STRATEGY_NAMES
 
     parser = argparse.ArgumentParser(
         prog=PROG, description="Out-of-core training planner for PyTorch: decides per tensor whether to keep, "
@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p_cmp)
     p_cmp.add_argument("--budgets", default="0.7,0.5,0.35,0.25",
                        help="comma-separated budgets, sizes or fractions (default 0.7,0.5,0.35,0.25)")
-    p_cmp.add_argument("--strategies", default=",".join(STRATEGY_NAMES),
-                       help=f"comma-separated strategies (default all: {','.join(STRATEGY_NAMES)})")
+    p_cmp.add_argument("--strategies", default=",".join(COMPARED),
+                       help=f"comma-separated strategies (default: {','.join(COMPARED)}; also: remat)")
     p_cmp.set_defaults(func=cmd_compare, parser=p_cmp)
 
     p_models = sub.add_parser("models", help="list the model zoo")

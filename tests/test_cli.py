@@ -12,7 +12,7 @@ import pytest
 
 from karma_fx import Plan
 from karma_fx.cli import main
-from karma_fx.strategies import STRATEGY_NAMES
+from karma_fx.strategies import COMPARED
 from karma_fx.zoo import names
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -52,7 +52,7 @@ def test_compare_prints_a_grid_with_every_strategy(capsys):
     grid = out.splitlines()
     header = next(line for line in grid if line.startswith("strategy"))
     assert "0.9 (" in header and "0.5 (" in header
-    for s in STRATEGY_NAMES:
+    for s in COMPARED:
         assert any(line.startswith(s + " ") for line in grid), s
     keep = next(line for line in grid if line.startswith("keep "))
     assert keep.count("infeasible") == 2  # keep never fits below the unplanned peak

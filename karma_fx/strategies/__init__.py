@@ -21,6 +21,9 @@ from karma_fx.strategies.torch_budget import SavedSetFn, TorchBudget
 
 STRATEGY_NAMES = ("keep", "checkpoint", "offload", "torch-budget", "karma", "greedy", "remat", "cpsat")
 HEURISTICS = ("checkpoint", "offload", "torch-budget", "karma", "greedy")
+COMPARED = tuple(s for s in STRATEGY_NAMES if s != "remat")
+"""What ``karma-fx compare`` and ``bench/compare.py`` plan by default: not ``remat``, which plans recompute only
+(the zoo's graphs have a host link) and searches every idle gap of the step (minutes on ResNet-1001)."""
 DEFAULT_STRATEGY = "cpsat"
 
 
@@ -79,6 +82,6 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None, *, time_limit_
     return factories[name]()
 
 
-__all__ = ["STRATEGY_NAMES", "HEURISTICS", "DEFAULT_STRATEGY", "CpSat", "SolverOptions", "Strategy", "make_strategy",
+__all__ = ["STRATEGY_NAMES", "HEURISTICS", "COMPARED", "DEFAULT_STRATEGY", "CpSat", "SolverOptions", "Strategy", "make_strategy",
            "check_time_limit", "Checkpoint", "Greedy", "Karma", "Keep",
            "OffloadAll", "Remat", "TorchBudget"]
