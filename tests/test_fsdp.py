@@ -118,3 +118,26 @@ def test_fsdp2_and_ddp_train_through_karma_as_without_it_within_the_budget(tmp_p
     assert any(int(moved) > 0 for _, _, moved, *_ in ranks), "the budget should make the plans lower the step's peak"
     if wrap == "ddp":
         assert all(int(regions) > 1 for *_, regions, _ in ranks), "DDP's buckets should split the step"
+
+
+@pytest.mark.slow
+def test_the_fsdp_example_trains_as_fsdp2_alone_in_less_memory():
+    """``examples/train_fsdp.py --check``: a tiny GPT-2 sharded per block and the root, three AdamW steps through
+    the backend door at 0.6 of the step, against the same FSDP2 model without karma."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_fsdp.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", KARMA_PROGRESS="0")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(example), "--budget", "0.6", "--check"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert len(re.findall(r"^step \d: loss [\d.]+$", run.stdout, re.MULTILINE)) == 3, run.stdout
+    peaks = dict(re.findall(r"rank (\d): peak ([\d.]+) MiB", run.stdout))
+    # (the two ranks print at once: their lines may run together)
+    checks = re.findall(r"rank (\d): without karma peak ([\d.]+) MiB; largest parameter difference (\d[\d.e+-]*)",
+                        run.stdout)
+    assert len(peaks) == 2 and len(checks) == 2, run.stdout
+    for rank, plain, diff in checks:
+        assert float(diff) <= 1e-5, (rank, diff, run.stdout)
+        assert float(peaks[rank]) < 0.8 * float(plain), (rank, peaks[rank], plain, run.stdout)
