@@ -294,6 +294,8 @@ class Session:
         self._between.run_starts(len(self._calls))
         if region.prepared is not None and region.scratch_unmeasured and not _profiling():
             self._forget(region)  # planned under a profiler: measure its scratch and plan it again now
+        if region.inference_fn is not None:  # an inference graph (nothing saved), compiled at its first run
+            return region.inference_fn(*args)
         if region.prepared is None:
             self._compiled_anew()
             if self._may_chunk_head(region):
@@ -303,8 +305,6 @@ class Session:
             if region.prepared is None:  # an inference graph: nothing saved, nothing planned
                 region.inference_fn = variant.fn
                 return variant.fn(*args)
-        elif region.inference_fn is not None:
-            return region.inference_fn(*args)
         else:
             variant = self._choose(region, args)
         if variant.fn is None:

@@ -169,3 +169,22 @@ def test_unlimited_budget_emits_pytorchs_own_graphs(name):
         return [(n.op, str(n.target), n.name) for n in gm.graph.nodes]
 
     assert [nodes(g) for g in region.graphs] == [nodes(g) for g in reference]
+
+
+def test_an_inference_region_compiles_once():
+    """A region Dynamo hands over under ``torch.no_grad`` (evaluation; FSDP2's own no-grad regions) saves
+    nothing and is compiled once: it was compiled again at every call, 0.25 s a call under FSDP2 (a 4-block GPT
+    on two ranks ran 2.5x slower than FSDP2 with Inductor alone)."""
+    from karma_fx.backend import _sessions
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    options = {"budget": 1.0}
+    compiled = torch.compile(model, backend="karma", options=options, dynamic=False)
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        outs = [compiled(x) for _ in range(3)]
+        want = model(x)
+    session = _sessions[id(options)]
+    assert session.compiles == 1 and len(session.regions) == 1
+    assert all(torch.allclose(o, want, atol=1e-6) for o in outs)
