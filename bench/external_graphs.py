@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
             plan = prepared.plan(fraction, raise_if_infeasible=False, time_limit_s=args.time_limit).plan
             seconds = time.perf_counter() - t0
             if plan.lower_bound_us is None and plan.status == "INFEASIBLE":
-                gap = "none fits, proven (saved activations)" if prepared.problem.saved_activations() else "-"
+                proven = any("proves it" in n for n in plan.notes)
+                gap = "none fits, proven (saved activations)" if proven else "-"
             elif plan.lower_bound_us:
                 gap = f"{plan.step_time_us / plan.lower_bound_us - 1:.2%}" if plan.fits else "-"
             else:

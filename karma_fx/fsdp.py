@@ -6,8 +6,10 @@ gradient and optimizer state. A unit's full weights are all-gathered before its 
 backward (``reshard_after_forward``, the default for every unit but the root, which stays gathered from its
 forward to its backward), and its gradients are reduce-scattered once its backward is done. It prefetches one
 unit ahead: the next unit's all-gather is issued as a unit starts computing, in the forward in execution order,
-in the backward in reverse. Compute waits for a unit's all-gather; the collectives share the network one after
-another (``Cluster``'s hierarchical ring: all-gather and reduce-scatter each move half an all-reduce's bytes).
+in the backward in reverse; the backward's first unit (resharded after its forward, as by default) is gathered
+when the backward reaches it, unhidden. Compute waits for a unit's all-gather; the collectives share the network
+one after another (``Cluster``'s hierarchical ring: all-gather and reduce-scatter each move half an all-reduce's
+bytes).
 
 Units are read off the ops' modules: a parameter belongs to the unit named by its first reader's module path up
 to its first numbered component (``transformer.h.3``, ``model.layers.10``), as a block list is sharded;
@@ -134,9 +136,6 @@ def fsdp_step(problem: Problem, timeline: Timeline, cluster: Cluster) -> Paralle
             if k + 1 < len(order):  # prefetch the next unit's weights as this one starts
                 nxt = order[k + 1]
                 landed[(kind, nxt.name)] = collective(f"gather {nxt.name}", now, nxt.param_bytes)
-            if kind == "fwd" and k == len(order) - 1 and bwd_order:  # the backward's first unit, after the loss
-                first = bwd_order[0]  # (resharded after its forward too, as reshard_after_forward does by default)
-                landed[("bwd", first.name)] = collective(f"gather {first.name}", now, first.param_bytes)
         else:
             collective(f"reduce {u.name}", now, u.param_bytes)
     step_end = max(timeline.makespan_us + delay, net_free)

@@ -222,6 +222,17 @@ def deadline(seconds: float | None) -> Iterator[None]:
         _deadline.reset(token)
 
 
+@contextlib.contextmanager
+def no_deadline() -> Iterator[None]:
+    """Strategies called inside run to their end whatever deadline the caller set: for the leanest plan, whose
+    peak is the floor quoted to users and must come out the same inside a time-limited planner as outside."""
+    token = _deadline.set(None)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
 def seconds_left() -> float:
     """Seconds before the current deadline (negative once past; ``math.inf`` without one)."""
     limit = _deadline.get()

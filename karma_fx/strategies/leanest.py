@@ -15,6 +15,7 @@ to 0.83 of its peak (the LP bound proves 0.828 is the least any plan reaches) an
 """
 from __future__ import annotations
 
+from karma_fx import progress
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload
 from karma_fx.problem import Problem
@@ -72,10 +73,11 @@ def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = 
     host link (``costs.allow_offload`` false): the lowest of every recomputable saved activation rebuilt,
     greedy's plan for a budget of nothing, and nothing moved (the module's docstring says why three)."""
     if not costs.allow_offload:
-        options_ro: list[tuple[Decision, ...]] = [leanest_recomputes(problem), Greedy()(problem, costs, 0).decisions,
-                                                  ()]
-        if not problem.saved_activations():
-            options_ro.append(leanest_remat(problem, costs))
+        with progress.no_deadline():  # the floor quoted must be the plan a time-limited cpsat falls back to
+            options_ro: list[tuple[Decision, ...]] = [leanest_recomputes(problem),
+                                                      Greedy()(problem, costs, 0).decisions, ()]
+            if not problem.saved_activations():
+                options_ro.append(leanest_remat(problem, costs))
         return min(options_ro, key=lambda d: figures_of(problem, costs, d).peak_bytes)
     swaps = leanest_swaps(problem)
     if stream_weights:

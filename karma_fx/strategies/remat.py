@@ -108,6 +108,8 @@ class Remat:
                 best = (*solved, "exact")
         state, decisions, origin = best
         fits = state.peak_bytes <= budget_bytes
+        if not fits and state.peak_bytes >= keep.peak_bytes:  # rebuilds that lower nothing are not a plan
+            state, decisions = keep, []
         notes.append(f"{origin}'s plan: {len(decisions)} rebuilds"
                      + ("" if fits else ", the leanest found, above the budget"))
         if stopped:

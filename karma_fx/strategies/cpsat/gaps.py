@@ -38,8 +38,10 @@ def solve_gaps(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Se
     model = cp_model.CpModel()
     x = [model.NewBoolVar(f"g{k}") for k in range(len(gaps))]
     out_bytes = [sum(problem.storage(o).size_bytes for o in op.outputs) for op in ops]
-    last_read = {s.name: (max(s.users) if s.users else s.producer) for s in problem.storages}
-    always = {s.name for s in problem.storages if s.producer is None or s.lives_to_end}
+    last_read = {s.name: max(s.users, default=s.producer if s.producer is not None else -1) for s in problem.storages}
+    # resident all step: what lives to the end (weights, outputs); a graph input that does not (a tangent) is
+    # freed after its last read, and a rebuild reading it later keeps it alive until then
+    always = {s.name for s in problem.storages if s.lives_to_end}
 
     open_at: dict[int, list[int]] = defaultdict(list)  # op -> gaps open across it
     for k, g in enumerate(gaps):

@@ -89,6 +89,10 @@ class CpSat:
             return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lowest[1].decisions,
                         status="INFEASIBLE", lower_bound_us=None,
                         notes=(f"no plan found fits: {lowest[1].strategy}'s, the lowest peak, is returned",))
+        if plan.lower_bound_us is not None or plan.status == "OPTIMAL":
+            plan = replace(plan, notes=plan.notes + (
+                "the lower bound and an OPTIMAL status cover plans that move saved activations; general "
+                "rematerialization (remat) found no faster plan, which does not prove that none exists",))
         return plan
 
     def _plan_saved(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
@@ -120,12 +124,14 @@ class CpSat:
                 if not costs.allow_offload and figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
                     return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
                                 status="FALLBACK:leanest", notes=(
-                                    "the lower bound proves that no plan of saved activations fits, but the leanest "
-                                    "plan known does (it rematerializes other tensors too); no bound is claimed",))
+                                    "the lower bound's relaxed model finds no plan that fits, but the leanest plan "
+                                    "known does; no bound is claimed",))
+                proof = ("no plan can fit this budget: a relaxed model of every possible plan (a linear program) "
+                         "proves it" if costs.allow_offload else
+                         "no plan that moves saved activations can fit this budget: a relaxed model of them (a "
+                         "linear program) proves it (general rematerialization is outside that model)")
                 return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
-                            status="INFEASIBLE", notes=(
-                                "no plan can fit this budget: a relaxed model of every possible plan (a linear "
-                                "program) proves it; the plan with the lowest peak is returned",))
+                            status="INFEASIBLE", notes=(proof + "; the plan with the lowest peak is returned",))
             notes.append(f"no plan can be faster than {proven / 1e3:.3f} ms at this budget (a proven lower bound)")
         best: tuple[float, Plan, int] | None = None  # simulated step time, plan, simulated peak
 
