@@ -9,8 +9,7 @@ general rematerialization moves anything: ``leanest_remat``), because no fixed r
 rebuilding every saved activation (``leanest_recomputes``) rebuilds a chain's whole prefix before its first
 backward reader and keeps it until its last one, so on a plain chain (VGG-16, any layered graph) it peaks at
 the unplanned step itself; greedy, asked to fit nothing at all, keeps checkpoints and gets Moccasin's VGG-16
-to 0.83 of its peak and random layered graphs of
-100-1000 nodes to 0.19-0.46. A floor quoted to users is then always a budget the default strategy meets:
+to 0.83 of its peak and random layered graphs of 100-1000 nodes to 0.19-0.46. A floor quoted to users is then always a budget the default strategy meets:
 ``cpsat`` falls back to this very plan when no heuristic fits.
 """
 from __future__ import annotations
