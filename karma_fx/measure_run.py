@@ -365,7 +365,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        host = func is torch.ops.karma.offload.default
+        host = func in (torch.ops.karma.offload.default, torch.ops.karma.host_cast.default)
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._track(leaf, host)

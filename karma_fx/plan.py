@@ -93,6 +93,10 @@ class GradToHost:
     the copy lands, and the step returns the host copy."""
 
     tensor: str
+    release_before: str | None = None
+    """Op before which compute waits for the copy to land (``wait_where_copies_land`` puts it where the replay
+    has it landed): a copy engine running late then stalls compute instead of holding the gradient's device
+    bytes past where the plan freed them. ``None``: freed whenever the copy is seen done."""
 
 
 Decision = Union[Offload, Recompute, StreamWeight, GradToHost]

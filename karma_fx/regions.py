@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from karma_fx.plan import GradToHost, Offload, Plan, Recompute
+from karma_fx.plan import GradToHost, Offload, Plan, Recompute, StreamWeight
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
 
@@ -88,6 +88,7 @@ def footprint(problem: Problem, timeline: Timeline, plan: Plan, *, offload_weigh
     n = problem.num_fwd_ops
     moved = {d.tensor for d in plan.decisions if isinstance(d, Offload)}
     moved |= {t for d in plan.decisions if isinstance(d, Recompute) for t in d.tensors}
+    moved |= {d.tensor for d in plan.decisions if isinstance(d, StreamWeight)}  # a weight's cast made on the host
     replayed: set[str] = set()  # what the recompute chains read from the forward (not what they make)
     for d in plan.decisions:
         if isinstance(d, Recompute):

@@ -405,6 +405,27 @@ def _prefetch_fake(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
+@torch.library.custom_op("karma::host_cast", mutates_args=())
+def host_cast(x: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``x`` (a host tensor) cast to ``dtype`` in a host buffer from the pool (pinned when it goes to a CUDA
+    ``device``), ``karma_fx.wire``'s two casts: a weight's bf16 copy, which crosses the link instead of the fp32
+    master, made once a step with the rounding the device's cast would use; and a gradient sent narrow, widened
+    into the one the step returns once its copy has landed (on CUDA that blocks the host for the copy)."""
+    landed = _copy_done.get(x)
+    if landed is not None:  # ``x`` is a gradient sent to the host narrow (to widen): its copy must have landed
+        _block(landed)
+    like = torch.empty_like(x, dtype=dtype, device="meta")
+    host = host_pool.take(like, pinned=torch.device(device).type == "cuda")
+    host.copy_(x)
+    _host_tier[host] = True
+    return host
+
+
+@host_cast.register_fake
+def _host_cast_fake(x: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(x.shape, dense_strides(x), dtype=dtype, device="cpu")
+
+
 def landed(t: torch.Tensor) -> torch.Tensor:
     """Block the calling thread until the copy that fills host tensor ``t`` (an ``offload`` output) has landed;
     returns ``t``. For host code that reads a host copy, such as the host optimizer reading a gradient sent

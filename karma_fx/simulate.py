@@ -36,6 +36,7 @@ from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, GradToHost, Offload, Plan, Recompute, ScheduleRow, StreamWeight
 from karma_fx.problem import Problem
+from karma_fx.wire import as_run_with_costs
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,9 @@ def wait_where_copies_land(problem: Problem, plan: Plan | Iterable[Decision], co
     of recompute items the wait goes before the next op: a copy late by more than those items can still add
     its bytes there."""
     decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
-    if not any(isinstance(d, Offload) for d in decisions):
+    if not any(isinstance(d, (Offload, GradToHost)) for d in decisions):
         return decisions
+    problem, costs = as_run_with_costs(problem, decisions, costs)
     with paused_gc():
         seq, _, _, streams = _phases(problem, decisions, costs, intervals=False)
     out: list[Decision] = []
@@ -176,6 +178,15 @@ def wait_where_copies_land(problem: Problem, plan: Plan | Iterable[Decision], co
                 latest = problem.op_index(d.prefetch_at if d.release_before is None else d.release_before)
                 if op < latest or (op == latest and d.release_before is None):
                     d = replace(d, release_before=problem.ops[op].name)
+        elif isinstance(d, GradToHost) and d.release_before is None and id(d) in streams.d2h_end:
+            landed = bisect.bisect_left(streams.start_us, streams.d2h_end[id(d)])
+            if landed < len(seq.item_op):  # (a copy landing after the last op is waited for at the step's end)
+                op = seq.group_of[landed]
+                if seq.first_item[op] != landed:
+                    op += 1
+                producer = problem.storage(d.tensor).producer
+                if producer is not None and op < len(problem.ops):
+                    d = replace(d, release_before=problem.ops[max(op, producer + 1)].name)
         out.append(d)
     return tuple(out)
 
@@ -197,7 +208,9 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
             figures_only: bool = False):
     """The replay, phase by phase: check the decisions, lay out the compute sequence, place each decision's
     events on it, follow every storage's stays on the device, time the three streams, count the memory."""
-    seq, events, stays, streams = _phases(problem, plan, costs, intervals=not figures_only)
+    decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
+    problem, costs = as_run_with_costs(problem, decisions, costs)
+    seq, events, stays, streams = _phases(problem, decisions, costs, intervals=not figures_only)
     if figures_only:
         live = _live_bytes(seq, stays, streams)
         return max(live, default=0), streams.makespan_us
@@ -319,6 +332,7 @@ class _Events:
     release_before_item: dict[int, list[Offload]]  # item → offloads compute waits for before it
     free_after_item: dict[int, list[Offload]]  # item → device copies dropped after it
     streamed_names: set[str]
+    grads_out: dict[str, GradToHost]  # gradient → its copy to the host
 
 
 def _events(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence) -> _Events:
@@ -381,8 +395,16 @@ def _events(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence) -
                 raise InvalidPlanError(f"{sname} has overlapping off-device gaps")
         for free_item, _, d in gs:
             free_after_item[free_item].append(d)  # type: ignore[arg-type]
+    grads_out = {d.tensor: d for d in decisions if isinstance(d, GradToHost)}
+    for d in grads_out.values():
+        if d.release_before is not None:
+            i_rel, made = op_at(d.release_before, "release_before"), problem.storage(d.tensor).producer
+            if made is None or i_rel <= made:
+                raise InvalidPlanError(f"{d.tensor}: its copy to the host is waited for before {d.release_before}, "
+                                       "which runs before the gradient is made")
+            release_before_item[first_item[i_rel]].append(d)  # type: ignore[arg-type]
     return _Events(prefetch_item, offload_after_op, wait_before_item, release_before_item, free_after_item,
-                   {d.tensor for d in streamed})
+                   {d.tensor for d in streamed}, grads_out)
 
 
 # ---- 3. instances (one per stay on the device) and the reads of each -------------------------------------
@@ -633,6 +655,7 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                 d2h.append(Interval(stays.storage[inst], begin, d2h_free, "offload"))
                 host_events.append((begin, size))
                 copy_end[inst] = max(copy_end[inst], d2h_free)
+                d2h_end[id(events.grads_out[stays.storage[inst]])] = d2h_free
                 if blocking:
                     t, waited = _blocked(compute, f"copy {stays.storage[inst]}", t, d2h_free)
                     stall_total += waited

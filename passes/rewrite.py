@@ -126,10 +126,13 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             _redirect(graph, readers, {o: c for o, c in replaced.items() if storage_of.get(o.name) in rebuilt},
                       op_names)
     for d in plan.decisions:
+        if isinstance(d, StreamWeight) and nodes[d.tensor].op != "placeholder":
+            _host_cast(nodes[d.tensor])
+    for d in plan.decisions:
         if isinstance(d, StreamWeight):
             _stream_weight(graph, nodes, d, storage_of, op_names, forward)
         elif isinstance(d, GradToHost):
-            _grad_to_host(graph, d, storage_of)
+            _grad_to_host(graph, nodes, d, storage_of)
     _record_traced_inputs(graph)
     _stable_topological_order(graph)
     graph.lint()
@@ -175,12 +178,33 @@ def _running_stat_stand_ins(node: fx.Node) -> dict[fx.Node, fx.Node]:
     return {buffer: out for buffer, out in stats.items() if isinstance(buffer, fx.Node) and out is not None}
 
 
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def _host_cast(node: fx.Node) -> None:
+    """A weight's narrower cast that the plan streams (bf16 on the wire, ``karma_fx.wire``) is made on the host
+    from the weight in host memory (``karma.host_cast``); its readers then read the copies the windows bring."""
+    if node.target is torch.ops.aten._to_copy.default and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        dtype = node.kwargs["dtype"]
+    elif node.target is torch.ops.prims.convert_element_type.default and len(node.args) == 2 and not node.kwargs:
+        dtype = node.args[1]
+    else:
+        raise InvalidPlanError(f"{node.name} is streamed from the host, but it is neither a parameter nor a plain "
+                               f"cast of one ({node.target})")
+    device = _device_of(node)
+    node.target = torch.ops.karma.host_cast.default
+    node.args, node.kwargs = (node.args[0], dtype, device), {}
+    node.meta["karma_streams_to"] = device
+    _copy_meta(node, node, "forward", device=torch.device("cpu"))
+
+
 def _stream_weight(graph: fx.Graph, nodes: dict[str, fx.Node], d: StreamWeight, storage_of: dict[str, str],
                    op_names: set[str], forward: set[fx.Node]) -> None:
     """The parameter stays on the host (its placeholder); each window prefetches a device copy and every
     reader in the window (ops and recompute copies, directly or through views) reads that copy instead."""
     aliases = {n for n in graph.nodes if storage_of.get(n.name) == d.tensor}
-    readers = list(dict.fromkeys(u for n in aliases for u in n.users if u not in aliases and u.op != "output"))
+    readers = list(dict.fromkeys(u for n in aliases for u in n.users if u not in aliases and u.op != "output"
+                                 and u.target is not torch.ops.karma.host_cast.default))
     if not readers:
         return
     position = {n: i for i, n in enumerate(graph.nodes)}
@@ -195,7 +219,8 @@ def _stream_weight(graph: fx.Graph, nodes: dict[str, fx.Node], d: StreamWeight, 
             continue
         with graph.inserting_before(nodes[w.prefetch_at] if position[nodes[w.prefetch_at]] < position[members[0]]
                                     else members[0]):
-            fetched = graph.call_function(torch.ops.karma.prefetch.default, (placeholder, _device_of(placeholder)))
+            fetched = graph.call_function(torch.ops.karma.prefetch.default,
+                                          (placeholder, placeholder.meta.get("karma_streams_to") or _device_of(placeholder)))
         with graph.inserting_before(members[0]):
             ready = graph.call_function(torch.ops.karma.wait.default, (fetched,))
         phase = "forward" if members[0] in forward else "backward"
@@ -207,17 +232,42 @@ def _stream_weight(graph: fx.Graph, nodes: dict[str, fx.Node], d: StreamWeight, 
         raise InvalidPlanError(f"{d.tensor} is read by {late[0].name} after its last window on the device")
 
 
-def _grad_to_host(graph: fx.Graph, d: GradToHost, storage_of: dict[str, str]) -> None:
-    """The step returns a host copy of the gradient, made right after it is produced."""
+def _grad_to_host(graph: fx.Graph, nodes: dict[str, fx.Node], d: GradToHost, storage_of: dict[str, str]) -> None:
+    """The step returns a host copy of the gradient, made right after it is produced; where the plan says
+    (``release_before``), compute waits for that copy to land, so its device bytes go where the plan frees
+    them even when the copy engine runs late (the step returns the waited copy, which keeps the wait)."""
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
-    for i, arg in enumerate(outs):
-        if isinstance(arg, fx.Node) and storage_of.get(arg.name) == d.tensor:
-            with graph.inserting_after(arg):
-                host = graph.call_function(torch.ops.karma.offload.default, (arg,))
-            _copy_meta(host, arg, "backward", device=torch.device("cpu"))
-            outs[i] = host
+
+    def to_host(arg: fx.Node) -> fx.Node:
+        with graph.inserting_after(arg):
+            host = graph.call_function(torch.ops.karma.offload.default, (arg,))
+        _copy_meta(host, arg, "backward", device=torch.device("cpu"))
+        if d.release_before is not None:
+            with graph.inserting_before(nodes[d.release_before]):
+                waited = graph.call_function(torch.ops.karma.wait.default, (host,))
+            _copy_meta(waited, arg, "backward", device=torch.device("cpu"))
+            host = waited
+        return host
+
+    returned = [i for i, arg in enumerate(outs) if isinstance(arg, fx.Node) and storage_of.get(arg.name) == d.tensor]
+    for i in returned:
+        outs[i] = to_host(outs[i])
     output.args = (tuple(outs),) if isinstance(output.args[0], tuple) else (outs,)
+    if returned:
+        return
+    # A narrow gradient the step widens into the one it returns (karma_fx.wire): sent narrow, widened on the host.
+    aliases = {n for n in graph.nodes if storage_of.get(n.name) == d.tensor}
+    readers = {u for n in aliases for u in n.users if u not in aliases}
+    widen = next(iter(readers), None)
+    if len(readers) != 1 or widen is None or widen.target not in _CASTS or widen not in outs:
+        raise InvalidPlanError(f"{d.tensor} is sent to the host, but it is neither a parameter gradient the step "
+                               "returns nor one it widens into that")
+    dtype = widen.kwargs["dtype"] if widen.target is torch.ops.aten._to_copy.default else widen.args[1]
+    host = to_host(widen.args[0])  # what the widening reads: the narrow gradient or a view of it
+    widen.target = torch.ops.karma.host_cast.default
+    widen.args, widen.kwargs = (host, dtype, torch.device("cpu")), {}
+    _copy_meta(widen, widen, "backward", device=torch.device("cpu"))
 
 
 def _forward_first(graph: fx.Graph, forward: set[fx.Node]) -> None:

@@ -23,6 +23,7 @@ from karma_fx.strategies.greedy import Greedy
 from karma_fx.strategies.remat import Remat
 from karma_fx.strategies.torch_budget import decisions_for_saved
 from karma_fx.strategies.weights import weight_streams
+from karma_fx.wire import host_casts
 
 
 def leanest_swaps(problem: Problem) -> tuple[Offload, ...]:
@@ -79,7 +80,9 @@ def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = 
                 options_ro.append(leanest_remat(problem, costs))
         return min(options_ro, key=lambda d: figures_of(problem, costs, d).peak_bytes)
     swaps = leanest_swaps(problem)
-    if stream_weights:
+    if stream_weights:  # a weight's bf16 cast is streamed from the host, not swapped out (karma_fx.wire)
+        casts = host_casts(problem)
+        swaps = tuple(d for d in swaps if getattr(d, "tensor", None) not in casts)
         options: list[tuple[Decision, ...]] = [swaps + weight_streams(problem, swaps), weight_streams(problem)]
     else:
         options = [swaps, ()]

@@ -21,6 +21,7 @@ from karma_fx.plan import Decision, GradToHost, Plan, Recompute, StreamWeight, W
 from karma_fx.problem import Problem
 from karma_fx.simulate import simulate
 from karma_fx.strategies.base import Strategy
+from karma_fx.wire import host_casts, host_upcasts, hosted, hosted_problem
 
 MAX_GAP_OPS = 16
 """Uses of a parameter further apart than this (in ops) get separate windows: a weight read at both ends of
@@ -30,7 +31,15 @@ the forward (a tied embedding) is not held in between."""
 def weight_streams(problem: Problem, decisions: tuple[Decision, ...] = (), max_gap: int = MAX_GAP_OPS
                    ) -> tuple[Decision, ...]:
     """Stream every used parameter and send every parameter gradient to the host, around ``decisions``
-    (recompute chains that read a parameter extend its backward window to where they run)."""
+    (recompute chains that read a parameter extend its backward window to where they run). A parameter the
+    step reads only through a cast to bf16 (autocast's copy) streams as that cast, made on the host
+    (``karma_fx.wire``; casts ``decisions`` already move are left as they are); a weight left with no reader
+    on the device stays on the host (a stream with no window). A gradient the step widens from a narrower one
+    is sent narrow and widened on the host."""
+    named = {t for d in decisions for t in (d.tensors if isinstance(d, Recompute) else (d.tensor,))}
+    original = problem
+    problem = hosted_problem(problem, frozenset(c for c in host_casts(problem) if c not in named),
+                             frozenset(g for g in host_upcasts(problem) if g not in named))
     op_index = problem.op_index
     uses: dict[str, set[int]] = {s.name: set(s.users) for s in problem.storages if s.kind == "param" and s.users}
     for d in decisions:
@@ -63,6 +72,8 @@ def weight_streams(problem: Problem, decisions: tuple[Decision, ...] = (), max_g
                                                    problem.ops[last].name))
         last_free[name] = last
     streams: list[Decision] = [StreamWeight(name, tuple(ws)) for name, ws in windows.items()]
+    streams += [StreamWeight(s.name, ()) for s, before in zip(problem.storages, original.storages)
+                if s.kind == "param" and before.kind == "param" and not s.users and before.users]
     streams += [GradToHost(s.name) for s in problem.storages
                 if s.kind == "gradient" and s.is_output and s.producer is not None]
     return tuple(streams)
@@ -85,12 +96,14 @@ class WeightsOutOfCore:
         self.name = inner.name
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
-        light = without_weights(problem)
+        # The inner strategy sees the step as it runs: bf16 casts of weights made on the host (karma_fx.wire).
+        on_host, on_host_costs = hosted(problem, costs)
+        light = without_weights(on_host)
         reserve = max(0, simulate(problem, weight_streams(problem), costs).peak_bytes
-                      - simulate(light, (), costs).peak_bytes)
+                      - simulate(light, (), on_host_costs).peak_bytes)
         best: tuple[tuple[int, float], Plan] | None = None
         for _ in range(self.rounds):
-            inner = self.inner(light, costs, max(1, budget_bytes - reserve))
+            inner = self.inner(light, on_host_costs, max(1, budget_bytes - reserve))
             decisions = tuple(inner.decisions) + weight_streams(problem, tuple(inner.decisions))
             timeline = simulate(problem, decisions, costs)
             fits = timeline.peak_bytes <= budget_bytes
