@@ -241,3 +241,34 @@ def test_bf16_weights_streamed_by_the_copy_workers():
         with AllocatorPeak(model.buffers(), (x,)) as live:
             compiled(x).sum().backward()
     assert live.peak_bytes <= budget
+
+
+def streamed_chain(sizes):
+    """A forward of len(sizes) ops, op i reading the previous activation and its own weight of sizes[i] bytes."""
+    from karma_fx.problem import Op, Problem, Storage
+
+    n = len(sizes)
+    ops = tuple(Op(f"f{i}", "f", "fwd", ((f"a{i - 1}",) if i else ()) + (f"w{i}",), (f"a{i}",)) for i in range(n))
+    storages = tuple(Storage(f"w{i}", size, "param", None, (i,)) for i, size in enumerate(sizes))
+    storages += tuple(Storage(f"a{i}", 10, "activation", i, (i + 1,) if i + 1 < n else (), is_output=i + 1 == n)
+                      for i in range(n))
+    return Problem(ops=ops, storages=storages, num_fwd_ops=n, name="streamed")
+
+
+def test_weight_copies_issued_far_enough_ahead_do_not_stall():
+    """One layer ahead, a weight whose copy takes three ops' time stalls compute; issued a stretch of compute
+    ahead (its own copy time more), or moved earlier where the replay saw compute wait, it does not."""
+    from karma_fx.strategies.weights import earlier_where_stalled, weight_streams
+
+    problem = streamed_chain([500, 500, 3000, 500, 500, 500, 500, 500])
+    costs = flat_costs(problem)  # 10 us an op, 100 B/us: the 3000 B weight takes 30 us
+    one_ahead = simulate(problem, weight_streams(problem), costs)
+    ahead = simulate(problem, weight_streams(problem, ahead_us=10.0, costs=costs), costs)
+    # f2 needs 40 us of copies (w0, w1, w2) and only f0, f1 (20 us) can run meanwhile: 20 us is the least stall.
+    assert one_ahead.stall_us == 25.0 and ahead.stall_us == 20.0
+    decisions, moved = earlier_where_stalled(problem, costs, weight_streams(problem), one_ahead, budget_bytes=10**6)
+    assert moved.stall_us < one_ahead.stall_us and moved.makespan_us < one_ahead.makespan_us
+    assert moved.makespan_us == simulate(problem, decisions, costs).makespan_us
+    tight = one_ahead.peak_bytes  # no room for a copy to come earlier: nothing moves
+    _, same = earlier_where_stalled(problem, costs, weight_streams(problem), one_ahead, budget_bytes=tight)
+    assert same.peak_bytes <= tight
