@@ -185,20 +185,8 @@ def weak_scaling_efficiency(problem: Problem, timeline: Timeline, costs: Costs, 
 
 
 def measure_host_update_rate(params: int = 1 << 24, steps: int = 5) -> float:
-    """This machine's host optimizer throughput (parameters per second) with PyTorch's CPU AdamW."""
-    import time
+    """This machine's host optimizer throughput (parameters per second) with PyTorch's fused CPU AdamW
+    (``karma_fx.host.measure_host``)."""
+    from karma_fx.host import measure_host
 
-    import torch
-
-    p = torch.zeros(params, requires_grad=True)
-    p.grad = torch.randn(params)
-    try:
-        opt = torch.optim.AdamW([p], fused=True)
-        opt.step()
-    except (RuntimeError, TypeError):  # older torch: no fused CPU AdamW
-        opt = torch.optim.AdamW([p], foreach=True)
-        opt.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    return params * steps / (time.perf_counter() - start)
+    return measure_host(params, repeats=steps).update_params_per_s

@@ -272,3 +272,23 @@ def test_weight_copies_issued_far_enough_ahead_do_not_stall():
     tight = one_ahead.peak_bytes  # no room for a copy to come earlier: nothing moves
     _, same = earlier_where_stalled(problem, costs, weight_streams(problem), one_ahead, budget_bytes=tight)
     assert same.peak_bytes <= tight
+
+
+def test_the_physical_bound_names_what_limits_the_step():
+    """Compute, the weights' bytes into the device, the gradients' out, the host's update: the largest bounds the
+    step, and the plan's notes say which (a host updating 1e6 parameters/s is slower than everything here)."""
+    from karma_fx.host import HostSpec
+    from karma_fx.strategies import make_strategy
+    from karma_fx.strategies.weights import WeightsOutOfCore, physical_bound, weight_streams
+
+    problem = streamed_chain([400, 400, 400, 400])
+    costs = flat_costs(problem)
+    slow = HostSpec("a slow host", 1, update_params_per_s=1e6, cast_params_per_s=1e9, copy_gbps=1.0)
+    bound = physical_bound(problem, costs, weight_streams(problem), slow)
+    assert (bound.compute_us, bound.link_in_us, bound.link_out_us) == (40.0, 16.0, 0.0)
+    assert bound.host_us == pytest.approx(400.0)  # 1600 B of fp32 weights: 400 parameters at 1e6/s
+    assert bound.bottleneck == "the host's update" and bound.us == bound.host_us
+    fast = replace(slow, update_params_per_s=1e9)
+    assert physical_bound(problem, costs, weight_streams(problem), fast).bottleneck == "compute"
+    plan = WeightsOutOfCore(make_strategy("keep"), host=slow)(problem, costs, 10**6)
+    assert any("set by the host's update" in n for n in plan.notes)

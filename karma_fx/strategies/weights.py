@@ -15,15 +15,15 @@ simulator.
 from __future__ import annotations
 
 import bisect
-import itertools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, GradToHost, Offload, Plan, Recompute, StreamWeight, Window
 from karma_fx.problem import Problem
-from karma_fx.simulate import Timeline, simulate
+from karma_fx.simulate import Timeline, peak_and_makespan, simulate
 from karma_fx.strategies.base import Strategy
-from karma_fx.wire import host_casts, host_upcasts, hosted, hosted_problem
+from karma_fx.host import HostSpec, host_step_us, this_host
+from karma_fx.wire import as_run_with_costs, host_casts, host_upcasts, hosted, hosted_problem
 
 AHEAD = (0.005, 0.01, 0.02, 0.04, 0.08)
 """How far ahead of its first use a window's copy may be issued, as fractions of the step's compute, besides
@@ -114,10 +114,12 @@ def without_weights(problem: Problem) -> Problem:
 class WeightsOutOfCore:
     """``inner``'s activation plan with every weight streamed from the host (see the module docstring)."""
 
-    def __init__(self, inner: Strategy, rounds: int = 4) -> None:
+    def __init__(self, inner: Strategy, rounds: int = 4, host: HostSpec | None = None) -> None:
         self.inner = inner
         self.rounds = rounds
         self.name = inner.name
+        self.host = host
+        """The host that updates the weights (default: this one, measured): it bounds the step too."""
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         # The inner strategy sees the step as it runs: bf16 casts of weights made on the host (karma_fx.wire).
@@ -127,8 +129,8 @@ class WeightsOutOfCore:
         # weights need (Megatron-GPT 1.56B, bf16-mixed at 6 GiB: 247 ms a step planned on the full links, 244
         # on these).
         inner_costs = _derated(problem, costs, on_host_costs)
-        reserve = max(0, simulate(problem, weight_streams(problem), costs).peak_bytes
-                      - simulate(light, (), on_host_costs).peak_bytes)
+        reserve = max(0, peak_and_makespan(problem, weight_streams(problem), costs)[0]
+                      - peak_and_makespan(light, (), on_host_costs)[0])
         best: tuple[tuple[int, float], Plan] | None = None
         for _ in range(self.rounds):
             inner = self.inner(light, inner_costs, max(1, budget_bytes - reserve))
@@ -150,7 +152,8 @@ class WeightsOutOfCore:
         if best[0][0] == 0 and plan.status == "INFEASIBLE":
             # The inner strategy judged the lighter step at a reserve that proved pessimistic; the whole plan fits.
             plan = replace(plan, status="HEURISTIC", notes=tuple(n for n in plan.notes if "no plan fits" not in n))
-        return plan
+        bound = physical_bound(problem, costs, plan.decisions, self.host or this_host())
+        return replace(plan, notes=plan.notes + (bound.describe(),))
 
 
     @staticmethod
@@ -160,18 +163,21 @@ class WeightsOutOfCore:
         fixed stretch of compute ahead (``AHEAD``, fractions of the step), whichever the simulator finds
         fastest within the budget (the lowest peak if none fits)."""
         total = on_host_costs.compute_time_us
-        best: tuple[tuple[int, float], tuple[Decision, ...], Timeline] | None = None
-        for gap, ahead in itertools.product(GAPS, (None, *(f * total for f in AHEAD))):
-            decisions = inner + weight_streams(problem, inner, max_gap=gap, ahead_us=ahead, costs=on_host_costs)
-            timeline = simulate(problem, decisions, costs, detail=False)
-            fits = timeline.peak_bytes <= budget_bytes
-            key = (0 if fits else 1, timeline.makespan_us if fits else float(timeline.peak_bytes))
-            if best is None or key < best[0]:
-                best = (key, decisions, timeline)
+        best: tuple[tuple[int, float], tuple[Decision, ...]] | None = None
+        for gap in GAPS:
+            for ahead in (None, *(f * total for f in AHEAD)):
+                decisions = inner + weight_streams(problem, inner, max_gap=gap, ahead_us=ahead, costs=on_host_costs)
+                peak, makespan = peak_and_makespan(problem, decisions, costs)
+                key = (0, makespan) if peak <= budget_bytes else (1, float(peak))
+                if best is None or key < best[0]:
+                    best = (key, decisions)
+                if ahead is not None and peak > budget_bytes:
+                    break  # further ahead only holds more weights at once
         assert best is not None
+        timeline = simulate(problem, best[1], costs, detail=False)
         if best[0][0] == 0:
-            return earlier_where_stalled(problem, costs, best[1], best[2], budget_bytes)
-        return best[1], best[2]
+            return earlier_where_stalled(problem, costs, best[1], timeline, budget_bytes)
+        return best[1], timeline
 
 
 def earlier_where_stalled(problem: Problem, costs: Costs, decisions: tuple[Decision, ...], timeline: Timeline,
@@ -243,6 +249,57 @@ def _derated(problem: Problem, costs: Costs, on_host_costs: Costs) -> Costs:
         scale[link] = 1 - min(0.9, busy / max(b - a, 1e-9))
     return replace(on_host_costs, h2d_bytes_per_us=on_host_costs.h2d_bytes_per_us * scale["h2d"],
                    d2h_bytes_per_us=on_host_costs.d2h_bytes_per_us * scale["d2h"])
+
+
+@dataclass(frozen=True)
+class PhysicalBound:
+    """What no plan of a step with streamed weights can beat, resource by resource (µs): the device's compute
+    (without the casts the host makes), the weights' bytes over the link into the device (each at least once
+    in each phase that reads it), the gradients' bytes out of it, and the host's update of every weight (with
+    its casts). The step takes at least the largest."""
+
+    compute_us: float
+    link_in_us: float
+    link_out_us: float
+    host_us: float
+    host: HostSpec
+
+    @property
+    def bottleneck(self) -> str:
+        figures = {"compute": self.compute_us, "the link into the device": self.link_in_us,
+                   "the link out of the device": self.link_out_us, "the host's update": self.host_us}
+        return max(figures, key=figures.__getitem__)
+
+    @property
+    def us(self) -> float:
+        return max(self.compute_us, self.link_in_us, self.link_out_us, self.host_us)
+
+    def describe(self) -> str:
+        return (f"bound {self.us / 1e3:,.1f} ms, set by {self.bottleneck}: compute {self.compute_us / 1e3:,.1f} ms, "
+                f"weights in {self.link_in_us / 1e3:,.1f} ms and gradients out {self.link_out_us / 1e3:,.1f} ms "
+                f"over the link, the host's update {self.host_us / 1e3:,.1f} ms "
+                f"({self.host.update_params_per_s:.3g} parameters/s on {self.host.threads} threads, {self.host.name})")
+
+
+def physical_bound(problem: Problem, costs: Costs, decisions: tuple[Decision, ...], host: HostSpec) -> PhysicalBound:
+    """``PhysicalBound`` of ``problem`` with the weights and gradients ``decisions`` stream (fp32-equivalent
+    parameter counts for the host: bytes / 4)."""
+    run, run_costs = as_run_with_costs(problem, decisions, costs)
+    into = out = cast = 0
+    for d in decisions:
+        if isinstance(d, StreamWeight) and d.windows:
+            phases = {run.is_backward(run.op_index(w.reload_before)) for w in d.windows}
+            into += run.storage(d.tensor).size_bytes * len(phases)
+            if problem.storage(d.tensor).kind != "param":
+                cast += run.storage(d.tensor).size_bytes // 2
+        elif isinstance(d, GradToHost):
+            out += run.storage(d.tensor).size_bytes
+            if not problem.storage(d.tensor).is_output:
+                cast += run.storage(d.tensor).size_bytes // 2
+    weights = sum(s.size_bytes for s in problem.storages if s.kind == "param") // 4
+    return PhysicalBound(compute_us=run_costs.compute_time_us,
+                         link_in_us=into / costs.h2d_bytes_per_us, link_out_us=out / costs.d2h_bytes_per_us,
+                         host_us=host_step_us(host, weights, cast), host=host)
 
 
 class BestOf:
