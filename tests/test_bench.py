@@ -117,3 +117,17 @@ def test_compare_summary_sets_cpsat_beside_the_bound():
     text = compare.summary(results)
     assert "1.100x / 1.049x (2)" in text  # sqrt(1.21) and sqrt(1.1); c does not fit, d has no bound
     assert "5.0% (2)" in text  # the gaps 10% and 0%
+
+
+def test_beyond_capacity_smoke(capsys):
+    beyond = load("beyond_capacity")
+    assert beyond.main(["--size", "tiny", "--models", "megatron_gpt", "--factors", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron_gpt" in out and "bottleneck" in out and "host update ms" in out
+
+
+def test_host_update_smoke(capsys):
+    host_update = load("host_update")
+    assert host_update.main(["--params", "4096", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fused AdamW" in out and "threads" in out
