@@ -16,7 +16,7 @@ import argparse
 import torch
 from tabulate import tabulate
 
-from karma_fx.host import _seconds, host_step_us, measure_host
+from karma_fx.host import best_seconds, host_step_us, measure_host
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.zeros(args.params, requires_grad=True)
         q.grad = torch.randn(args.params)
         foreach = torch.optim.AdamW([q], foreach=True)
-        foreach_rate = args.params / _seconds(foreach.step, args.repeats)
+        foreach_rate = args.params / best_seconds(foreach.step, args.repeats)
         megatron = host_step_us(host, 1_560_000_000, 2 * 1_560_000_000)
         rows.append([threads, f"{host.update_params_per_s / 1e9:.3f}", f"{foreach_rate / 1e9:.3f}",
                      f"{host.cast_params_per_s / 1e9:.3f}", f"{host.copy_gbps:.1f}", f"{megatron / 1e3:,.0f}"])

@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
-__all__ = ["HostSpec", "host_step_us", "measure_host", "this_host"]
+__all__ = ["HostSpec", "best_seconds", "host_step_us", "measure_host", "this_host"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class HostSpec:
     """Host memory copy bandwidth, GB/s (what a pinned buffer is filled at; pinning itself needs CUDA)."""
 
 
-def _seconds(fn, repeats: int) -> float:
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn``, after one warm-up call."""
     fn()  # warm: first-touch page faults and lazy kernel selection are not the steady step
     best = float("inf")
     for _ in range(repeats):
@@ -56,9 +58,9 @@ def measure_host(params: int = 1 << 22, repeats: int = 3) -> HostSpec:
         opt.step()
     narrow = torch.empty(params, dtype=torch.bfloat16)
     target = torch.empty(params)
-    update_s = _seconds(opt.step, repeats)
-    cast_s = _seconds(lambda: narrow.copy_(p.detach()), repeats)
-    copy_s = _seconds(lambda: target.copy_(p.detach()), repeats)
+    update_s = best_seconds(opt.step, repeats)
+    cast_s = best_seconds(lambda: narrow.copy_(p.detach()), repeats)
+    copy_s = best_seconds(lambda: target.copy_(p.detach()), repeats)
     return HostSpec(name="this host (measured)", threads=torch.get_num_threads(),
                     update_params_per_s=params / update_s, cast_params_per_s=params / cast_s,
                     copy_gbps=params * 4 / copy_s / 1e9)

@@ -30,10 +30,12 @@ class PlanValueError(PlanFormatError, InvalidPlanError):
     invalid plan (``InvalidPlanError``), so either ``except`` catches it."""
 
 
-SCHEMA_VERSION = 2
-"""2 added the weights-out-of-core decisions (``stream_weight``, ``grad_to_host``)."""
-READABLE_VERSIONS = (1, 2)
-"""Version 1 plans (offload / recompute only) are still valid version 2 plans."""
+SCHEMA_VERSION = 3
+"""2 added the weights-out-of-core decisions (``stream_weight``, ``grad_to_host``); 3 the wait of a gradient's
+copy (``grad_to_host.release_before``) and streams of a weight's bf16 cast or a gradient sent narrow
+(``karma_fx.wire``), which a version 2 reader would misread."""
+READABLE_VERSIONS = (1, 2, 3)
+"""Plans of earlier versions are still valid plans of this one, with the same meaning."""
 OPTIMAL_TOLERANCE = 1e-3
 """A step within this fraction of its proven lower bound is shown as plainly OPTIMAL (``Plan.shown_status``)."""
 

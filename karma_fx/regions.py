@@ -26,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from karma_fx.plan import GradToHost, Offload, Plan, Recompute, StreamWeight
+from karma_fx.plan import GradToHost, Offload, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
+from karma_fx.wire import as_run
 
 TensorId = Hashable
 """A tensor that crosses a graph break, named structurally so that the next step's runs name it the same way:
@@ -83,12 +84,12 @@ class Footprint:
 def footprint(problem: Problem, timeline: Timeline, plan: Plan, *, offload_weights: bool = False,
               boundary: Boundary = Boundary()) -> Footprint:
     """The footprint of ``plan`` on ``problem`` (``timeline`` is its simulation)."""
+    problem = as_run(problem, plan.decisions)  # weights' casts and widened gradients made on the host
     own_kinds = ("buffer",) if offload_weights else ("param", "buffer")
     own = sum(s.size_bytes for s in problem.storages if s.kind in own_kinds)
     n = problem.num_fwd_ops
     moved = {d.tensor for d in plan.decisions if isinstance(d, Offload)}
     moved |= {t for d in plan.decisions if isinstance(d, Recompute) for t in d.tensors}
-    moved |= {d.tensor for d in plan.decisions if isinstance(d, StreamWeight)}  # a weight's cast made on the host
     replayed: set[str] = set()  # what the recompute chains read from the forward (not what they make)
     for d in plan.decisions:
         if isinstance(d, Recompute):

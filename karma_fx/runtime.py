@@ -460,6 +460,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     out = torch.ops.aten.alias(t)
     if t in _host_tier:  # a waited swap-out is still the host tier (what is measured as device memory asks)
         _host_tier[out] = True
+        if event is not None:  # host code reading the alias (``landed``, a widening) must still block for the
+            _copy_done[out] = event  # copy: on CUDA this wait only made the compute stream wait
     return out
 
 

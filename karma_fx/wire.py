@@ -37,7 +37,7 @@ def host_casts(problem: Problem) -> dict[str, tuple[int, str]]:
         if op.target not in CASTS or op.dtype not in NARROW or len(op.outputs) != 1 or i >= problem.num_fwd_ops:
             continue
         params = [s for s in op.inputs if problem.storage(s).kind == "param"]
-        if len(params) != 1:
+        if len(params) != 1 or op.inputs[0] != params[0]:  # the weight must be what it casts, not a fused read
             continue
         out, weight = problem.storage(op.outputs[0]), problem.storage(params[0])
         if out.is_output or out.kind != "activation" or not 0 < out.size_bytes < weight.size_bytes:

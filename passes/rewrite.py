@@ -127,7 +127,7 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
                       op_names)
     for d in plan.decisions:
         if isinstance(d, StreamWeight) and nodes[d.tensor].op != "placeholder":
-            _host_cast(nodes[d.tensor])
+            _host_cast(nodes[d.tensor], storage_of, {s.name for s in problem.storages if s.kind == "param"})
     for d in plan.decisions:
         if isinstance(d, StreamWeight):
             _stream_weight(graph, nodes, d, storage_of, op_names, forward)
@@ -181,7 +181,7 @@ def _running_stat_stand_ins(node: fx.Node) -> dict[fx.Node, fx.Node]:
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
-def _host_cast(node: fx.Node) -> None:
+def _host_cast(node: fx.Node, storage_of: dict[str, str], weights: set[str]) -> None:
     """A weight's narrower cast that the plan streams (bf16 on the wire, ``karma_fx.wire``) is made on the host
     from the weight in host memory (``karma.host_cast``); its readers then read the copies the windows bring."""
     if node.target is torch.ops.aten._to_copy.default and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
@@ -191,6 +191,9 @@ def _host_cast(node: fx.Node) -> None:
     else:
         raise InvalidPlanError(f"{node.name} is streamed from the host, but it is neither a parameter nor a plain "
                                f"cast of one ({node.target})")
+    source = node.args[0] if node.args else None
+    if not isinstance(source, fx.Node) or storage_of.get(source.name) not in weights:
+        raise InvalidPlanError(f"{node.name} is streamed from the host, but what it casts is not a weight")
     device = _device_of(node)
     node.target = torch.ops.karma.host_cast.default
     node.args, node.kwargs = (node.args[0], dtype, device), {}
@@ -268,6 +271,9 @@ def _grad_to_host(graph: fx.Graph, nodes: dict[str, fx.Node], d: GradToHost, sto
     widen.target = torch.ops.karma.host_cast.default
     widen.args, widen.kwargs = (host, dtype, torch.device("cpu")), {}
     _copy_meta(widen, widen, "backward", device=torch.device("cpu"))
+    # Widened at the end of the step, where the copy has long landed: right after the narrow gradient it would
+    # block compute for every copy (a wait the plan does not have).
+    output.prepend(widen)
 
 
 def _forward_first(graph: fx.Graph, forward: set[fx.Node]) -> None:

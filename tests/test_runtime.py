@@ -274,3 +274,17 @@ def test_landed_returns_a_host_copy_once_filled_and_refuses_what_is_not_a_tensor
     assert landed(x) is x  # not a copy: nothing to wait for
     with pytest.raises(KarmaError, match="takes a tensor"):
         landed([x])
+
+
+def test_a_waited_host_copy_keeps_its_copy_event_for_host_readers():
+    """``wait`` on a host copy returns an alias; on CUDA it only makes the compute stream wait, so host code
+    reading the alias (``landed``, the widening of a gradient sent bf16) must still find the copy's event, or it
+    reads a pinned buffer the copy is still filling."""
+    from karma_fx import runtime
+
+    with runtime.copy_mode("threads"):
+        host = torch.ops.karma.offload(torch.randn(64))
+        event = runtime._copy_done.get(host)
+        waited = torch.ops.karma.wait(host)
+        assert event is not None and runtime._copy_done.get(waited) is event
+        assert runtime.landed(waited) is waited and torch.equal(waited, host)

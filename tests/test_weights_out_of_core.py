@@ -296,3 +296,19 @@ def test_the_physical_bound_names_what_limits_the_step():
     assert physical_bound(problem, costs, weight_streams(problem), fast).bottleneck == "compute"
     plan = WeightsOutOfCore(make_strategy("keep"), host=slow)(problem, costs, 10**6)
     assert any("set by the host's update" in n for n in plan.notes)
+
+
+def test_only_a_weight_cast_itself_is_made_on_the_host():
+    """A bf16 cast of a weight is hostable; a cast of an activation that a fusion model says also reads the weight
+    (an embedding lookup inlined into it) is not, though it is smaller than the weight."""
+    from karma_fx.problem import Op, Problem, Storage
+
+    ops = (Op("cast_w", "prims.convert_element_type.default", "fwd", ("W",), ("w16",), dtype="bfloat16"),
+           Op("look", "aten.embedding.default", "fwd", ("W", "ids"), ("e",)),
+           Op("cast_e", "prims.convert_element_type.default", "fwd", ("e", "W"), ("e16",), dtype="bfloat16"),
+           Op("use", "aten.mm.default", "fwd", ("w16", "e16"), ("out",), dtype="bfloat16"))
+    storages = (Storage("W", 4000, "param", None, (0, 1, 2)), Storage("ids", 8, "input", None, (1,)),
+                Storage("w16", 2000, "activation", 0, (3,)), Storage("e", 400, "activation", 1, (2,)),
+                Storage("e16", 200, "activation", 2, (3,)), Storage("out", 10, "activation", 3, (), is_output=True))
+    problem = Problem(ops=ops, storages=storages, num_fwd_ops=4)
+    assert host_casts(problem) == {"w16": (0, "W")}
