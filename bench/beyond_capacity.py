@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", default="bf16-mixed", choices=("fp32", "bf16-mixed"))
     p.add_argument("--size", default="real", choices=("real", "tiny"), help="tiny: a smoke run (no overrides)")
     args = p.parse_args(argv)
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model {unknown[0]!r}: choose from {', '.join(MODELS)}")
     warnings.filterwarnings("ignore")
     host = this_host()
     rows = []

@@ -88,7 +88,8 @@ class Prepared:
                 return WeightsOutOfCore(self.strategy(strategy, time_limit_s=time_limit_s))
             # The solver plans the activations of a step whose link the weights already fill, a few rounds,
             # beside three heuristics that usually match it there: it gets a share of time, not all it wants
-            # (Megatron-GPT 1.56B at 6 GiB: 89 s of solving for greedy's plan).
+            # (Megatron-GPT 1.56B at 6 GiB: uncapped, it took the CLI's strategy time from 36 s to 77 s, for
+            # greedy's plan).
             inner = self.strategy(strategy, time_limit_s=time_limit_s or WEIGHTS_SOLVER_S)
             return BestOf([WeightsOutOfCore(inner)] + [WeightsOutOfCore(make_strategy(h))
                                                        for h in ("greedy", "offload", "karma")])

@@ -167,26 +167,28 @@ def wait_where_copies_land(problem: Problem, plan: Plan | Iterable[Decision], co
     with paused_gc():
         seq, _, _, streams = _phases(problem, decisions, costs, intervals=False)
     out: list[Decision] = []
+
+    def landing_op(d: Decision) -> int | None:
+        """The first op the replay starts once ``d``'s device→host copy has landed (within a run of recompute
+        items, the next op); ``None`` when it lands after the last one (waited for at the step's end)."""
+        landed = bisect.bisect_left(streams.start_us, streams.d2h_end[id(d)])
+        if landed >= len(seq.item_op):
+            return None
+        op = seq.group_of[landed]
+        return op + 1 if seq.first_item[op] != landed else op  # mid-way through a recompute chain: the next op
+
     for d in decisions:
         if isinstance(d, Offload):
-            landed = bisect.bisect_left(streams.start_us, streams.d2h_end[id(d)])
-            if landed < len(seq.item_op):
-                op = seq.group_of[landed]
-                if seq.first_item[op] != landed:  # mid-way through a recompute chain: before the next op
-                    op += 1
+            op = landing_op(d)
+            if op is not None:
                 op = max(op, problem.op_index(d.free_after) + 1)
                 latest = problem.op_index(d.prefetch_at if d.release_before is None else d.release_before)
                 if op < latest or (op == latest and d.release_before is None):
                     d = replace(d, release_before=problem.ops[op].name)
         elif isinstance(d, GradToHost) and d.release_before is None and id(d) in streams.d2h_end:
-            landed = bisect.bisect_left(streams.start_us, streams.d2h_end[id(d)])
-            if landed < len(seq.item_op):  # (a copy landing after the last op is waited for at the step's end)
-                op = seq.group_of[landed]
-                if seq.first_item[op] != landed:
-                    op += 1
-                producer = problem.storage(d.tensor).producer
-                if producer is not None and op < len(problem.ops):
-                    d = replace(d, release_before=problem.ops[max(op, producer + 1)].name)
+            op, producer = landing_op(d), problem.storage(d.tensor).producer
+            if op is not None and producer is not None and op < len(problem.ops):
+                d = replace(d, release_before=problem.ops[max(op, producer + 1)].name)
         out.append(d)
     return tuple(out)
 

@@ -178,17 +178,22 @@ def _running_stat_stand_ins(node: fx.Node) -> dict[fx.Node, fx.Node]:
     return {buffer: out for buffer, out in stats.items() if isinstance(buffer, fx.Node) and out is not None}
 
 
-_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+def _cast_dtype(node: fx.Node, plain: bool = True) -> torch.dtype | None:
+    """The dtype ``node`` casts its first argument to, if it is a cast, else ``None``; with ``plain``, only a
+    cast that changes nothing else (a weight's cast made on the host must be exactly the device's). A gradient's
+    widening may also name its layout or device: the host makes it in host memory anyway."""
+    if node.target is torch.ops.aten._to_copy.default and len(node.args) == 1 and "dtype" in node.kwargs:
+        return node.kwargs["dtype"] if set(node.kwargs) == {"dtype"} or not plain else None
+    if node.target is torch.ops.prims.convert_element_type.default and len(node.args) == 2 and not node.kwargs:
+        return node.args[1]
+    return None
 
 
 def _host_cast(node: fx.Node, storage_of: dict[str, str], weights: set[str]) -> None:
     """A weight's narrower cast that the plan streams (bf16 on the wire, ``karma_fx.wire``) is made on the host
     from the weight in host memory (``karma.host_cast``); its readers then read the copies the windows bring."""
-    if node.target is torch.ops.aten._to_copy.default and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
-        dtype = node.kwargs["dtype"]
-    elif node.target is torch.ops.prims.convert_element_type.default and len(node.args) == 2 and not node.kwargs:
-        dtype = node.args[1]
-    else:
+    dtype = _cast_dtype(node)
+    if dtype is None:
         raise InvalidPlanError(f"{node.name} is streamed from the host, but it is neither a parameter nor a plain "
                                f"cast of one ({node.target})")
     source = node.args[0] if node.args else None
@@ -263,10 +268,10 @@ def _grad_to_host(graph: fx.Graph, nodes: dict[str, fx.Node], d: GradToHost, sto
     aliases = {n for n in graph.nodes if storage_of.get(n.name) == d.tensor}
     readers = {u for n in aliases for u in n.users if u not in aliases}
     widen = next(iter(readers), None)
-    if len(readers) != 1 or widen is None or widen.target not in _CASTS or widen not in outs:
+    dtype = _cast_dtype(widen, plain=False) if widen is not None else None
+    if len(readers) != 1 or dtype is None or widen not in outs:
         raise InvalidPlanError(f"{d.tensor} is sent to the host, but it is neither a parameter gradient the step "
                                "returns nor one it widens into that")
-    dtype = widen.kwargs["dtype"] if widen.target is torch.ops.aten._to_copy.default else widen.args[1]
     host = to_host(widen.args[0])  # what the widening reads: the narrow gradient or a view of it
     widen.target = torch.ops.karma.host_cast.default
     widen.args, widen.kwargs = (host, dtype, torch.device("cpu")), {}

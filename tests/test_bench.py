@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -119,15 +121,13 @@ def test_compare_summary_sets_cpsat_beside_the_bound():
     assert "5.0% (2)" in text  # the gaps 10% and 0%
 
 
-def test_beyond_capacity_smoke(capsys):
-    beyond = load("beyond_capacity")
-    assert beyond.main(["--size", "tiny", "--models", "megatron_gpt", "--factors", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "megatron_gpt" in out and "bottleneck" in out and "host update ms" in out
 
-
-def test_host_update_smoke(capsys):
-    host_update = load("host_update")
-    assert host_update.main(["--params", "4096", "--repeats", "1"]) == 0
+@pytest.mark.parametrize("name, argv, words", [
+    ("beyond_capacity", ["--size", "tiny", "--models", "megatron_gpt", "--factors", "2"],
+     ("megatron_gpt", "bottleneck", "host update ms")),
+    ("host_update", ["--params", "4096", "--repeats", "1"], ("fused AdamW", "threads")),
+])
+def test_weight_streaming_benches_smoke(capsys, name, argv, words):
+    assert load(name).main(argv) == 0
     out = capsys.readouterr().out
-    assert "fused AdamW" in out and "threads" in out
+    assert all(w in out for w in words), out

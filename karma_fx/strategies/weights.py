@@ -155,7 +155,6 @@ class WeightsOutOfCore:
         bound = physical_bound(problem, costs, plan.decisions, self.host or this_host())
         return replace(plan, notes=plan.notes + (bound.describe(),))
 
-
     @staticmethod
     def _streamed(problem: Problem, costs: Costs, on_host_costs: Costs, inner: tuple[Decision, ...],
                   budget_bytes: int) -> tuple[tuple[Decision, ...], Timeline]:
