@@ -22,7 +22,7 @@ from karma_fx.plan import Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline, simulate, wait_where_copies_land
 from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
-from karma_fx.strategies.leanest import leanest_peak
+from karma_fx.strategies.leanest import leanest_peak, leanest_plan_parts
 
 WEIGHTS_SOLVER_S = 10.0
 """Seconds the exact solver gets, by default, for each plan of the activations around streamed weights."""
@@ -73,6 +73,10 @@ class Prepared:
             self._min_peak = leanest_peak(self.problem, self.costs)
         return self._min_peak
 
+    def _floor_splits(self) -> bool:
+        """Whether the leanest plan splits kernels along the batch (``karma_fx.split``)."""
+        return bool(leanest_plan_parts(self.problem, self.costs)[1])
+
     def strategy(self, strategy: str | Strategy | None, *, offload_weights: bool = False,
                  time_limit_s: float | None = None) -> Strategy:
         """The strategy to plan with: by name (``torch-budget`` gets PyTorch's saved-set oracle
@@ -91,6 +95,7 @@ class Prepared:
             # (Megatron-GPT 1.56B at 6 GiB: uncapped, it took the CLI's strategy time from 36 s to 77 s, for
             # greedy's plan).
             inner = self.strategy(strategy, time_limit_s=time_limit_s or WEIGHTS_SOLVER_S)
+            inner = getattr(inner, "inner", inner)  # not SplitKernels: streams are planned on the step as written
             return BestOf([WeightsOutOfCore(inner)] + [WeightsOutOfCore(make_strategy(h))
                                                        for h in ("greedy", "offload", "karma")])
         if not isinstance(strategy, str):
@@ -136,7 +141,9 @@ class Prepared:
         if raise_if_infeasible and not plan.fits:
             floor = (leanest_peak(self.problem, self.costs, stream_weights=True) if offload_weights
                      else self.min_peak_bytes())
-            how = ("every saved activation swapped out and back just in time, which strategy='cpsat' reaches"
+            how = ("every saved activation swapped out and back just in time"
+                   + (", convolutions run a piece of the batch at a time" if self._floor_splits() else "")
+                   + ", which strategy='cpsat' reaches"
                    if self.costs.allow_offload else
                    "the leanest recompute-only plan known, rebuilding from checkpoints, which strategy='cpsat' "
                    "reaches")

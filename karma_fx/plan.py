@@ -30,11 +30,12 @@ class PlanValueError(PlanFormatError, InvalidPlanError):
     invalid plan (``InvalidPlanError``), so either ``except`` catches it."""
 
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2 added the weights-out-of-core decisions (``stream_weight``, ``grad_to_host``); 3 the wait of a gradient's
 copy (``grad_to_host.release_before``) and streams of a weight's bf16 cast or a gradient sent narrow
-(``karma_fx.wire``), which a version 2 reader would misread."""
-READABLE_VERSIONS = (1, 2, 3)
+(``karma_fx.wire``), which a version 2 reader would misread; 4 kernels split along the batch (``splits``),
+which a version 3 reader would ignore and so run over the plan's peak."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 """Plans of earlier versions are still valid plans of this one, with the same meaning."""
 OPTIMAL_TOLERANCE = 1e-3
 """A step within this fraction of its proven lower bound is shown as plainly OPTIMAL (``Plan.shown_status``)."""
@@ -128,6 +129,9 @@ class Plan:
     loss_chunk: int = 0
     """Tokens per chunk of the chunked loss head (``karma_fx.loss_ops``), which the step is traced with and the
     decisions name nodes of; 0: the loss head as the model computes it."""
+    splits: tuple[tuple[str, int], ...] = ()
+    """Ops run a piece of the batch at a time, each with its number of pieces (``karma_fx.split``): their
+    kernels' scratch is a piece's. The decisions are planned on the step so run (``split_problem``)."""
 
     # ---- derived views -------------------------------------------------------------------------------
     @property
@@ -218,6 +222,8 @@ class Plan:
                                       if self.streamed_weights or self.grads_to_host else "")))
         if self.loss_chunk:
             lines.append(("loss head", f"chunked, {self.loss_chunk} tokens at a time"))
+        if self.splits:
+            lines.append(("kernels split", ", ".join(f"{name} in {k} pieces" for name, k in self.splits)))
         lines += [("notes" if i == 0 else "", note) for i, note in enumerate(self.notes)]
         return lines
 
@@ -230,6 +236,8 @@ class Plan:
                 value = [_decision_to_dict(d) for d in value]
             elif f.name == "schedule":
                 value = [dataclasses.asdict(r) for r in value]
+            elif f.name == "splits":
+                value = [[name, k] for name, k in value]
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
@@ -267,6 +275,7 @@ class Plan:
                                                   for k, v in r.items()})
                                    for r in kwargs.get("schedule", ()))
         kwargs["notes"] = tuple(kwargs.get("notes", ()))
+        kwargs["splits"] = tuple((name, k) for name, k in kwargs.get("splits", ()))
         plan = cls(**kwargs)
         _check_one_decision_per_tensor(plan.decisions)
         return plan
@@ -336,6 +345,12 @@ def _is_strings(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
 
 
+def _is_splits(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(
+        isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str) and _is_int(x[1]) and x[1] >= 1
+        for x in v)
+
+
 def _is_records(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and all(isinstance(x, dict) for x in v)
 
@@ -351,6 +366,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "tuple[Decision, ...]": (_is_records, "a list of objects"),
     "tuple[ScheduleRow, ...]": (_is_records, "a list of objects"),
     "tuple[Window, ...]": (_is_records, "a list of objects"),
+    "tuple[tuple[str, int], ...]": (_is_splits, "a list of [op name, pieces >= 1] pairs"),
 }
 """Annotation (as written in the dataclasses above) → its JSON check. A field with an annotation missing here
 fails ``_SHAPES`` at import, so a new field cannot silently go unchecked."""

@@ -34,6 +34,9 @@ class Op:
     """Draws random numbers (dropout, randn): never recomputed, its result would differ."""
     mutates: bool = False
     """Has a side effect (buffer update, in-place op): never run twice."""
+    split: int = 1
+    """The most pieces its kernel may run in along the batch, one piece after another
+    (``karma_fx.split``: a convolution's scratch then shrinks with its piece); 1 where it may not be split."""
     module: str = field(default="", compare=False)
     """The innermost ``nn.Module`` the op ran in, as ``model.named_modules()`` names it
     (``transformer.h.3.mlp.c_fc``); a backward op carries its forward op's module. "" when unknown. A label for

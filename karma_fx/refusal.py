@@ -40,11 +40,14 @@ def refusal(*, strategy: str, budget_bytes: int, views: list[Run], regions: list
     """The error for a step of ``views`` (its runs, each at its leanest plan) over ``regions`` (the region of
     each run) that does not fit ``budget_bytes``. ``partial``: the step's first run, what follows not known."""
     needed = total_that_works(base, views, gaps)
+    split = any(leanest(r).plan.splits for r in regions if r.prepared is not None)
     message = (
         f"strategy {strategy!r} cannot fit the training step in {format_bytes(budget_bytes)}"
         + (f" (its {len(views)} compiled region runs share the budget)" if len(views) > 1 else "")
         + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: every saved "
-          f"activation swapped out and back just in time), which the default strategy {DEFAULT_STRATEGY!r} "
+          f"activation swapped out and back just in time"
+        + (", convolutions run a piece of the batch at a time" if split else "")
+        + f"), which the default strategy {DEFAULT_STRATEGY!r} "
           f"reaches; with nothing moved the step peaks at {format_bytes(unplanned)}"
         + where_the_floor_is(Step(base, tuple(views), tuple(gaps)), regions, leanest)
         + what_is_held(held_grad_bytes, views, regions)

@@ -36,6 +36,7 @@ from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, GradToHost, Offload, Plan, Recompute, ScheduleRow, StreamWeight
 from karma_fx.problem import Problem
+from karma_fx.split import split_problem
 from karma_fx.wire import as_run_with_costs
 
 
@@ -163,6 +164,7 @@ def wait_where_copies_land(problem: Problem, plan: Plan | Iterable[Decision], co
     decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
     if not any(isinstance(d, (Offload, GradToHost)) for d in decisions):
         return decisions
+    problem, costs = _as_split(problem, plan, costs)
     problem, costs = as_run_with_costs(problem, decisions, costs)
     with paused_gc():
         seq, _, _, streams = _phases(problem, decisions, costs, intervals=False)
@@ -211,12 +213,23 @@ def _replay(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, det
     """The replay, phase by phase: check the decisions, lay out the compute sequence, place each decision's
     events on it, follow every storage's stays on the device, time the three streams, count the memory."""
     decisions = tuple(plan.decisions if isinstance(plan, Plan) else plan)
+    problem, costs = _as_split(problem, plan, costs)
     problem, costs = as_run_with_costs(problem, decisions, costs)
     seq, events, stays, streams = _phases(problem, decisions, costs, intervals=not figures_only)
     if figures_only:
         live = _live_bytes(seq, stays, streams)
         return max(live, default=0), streams.makespan_us
     return _timeline(problem, costs, seq, events, stays, streams, detail)
+
+
+def _as_split(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs) -> tuple[Problem, Costs]:
+    """The step as a plan with ``splits`` runs it (``karma_fx.split``); bare decisions split nothing."""
+    if not isinstance(plan, Plan) or not plan.splits:
+        return problem, costs
+    try:
+        return split_problem(problem, costs, plan.splits)
+    except ValueError as exc:
+        raise InvalidPlanError(str(exc)) from None
 
 
 def _phases(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, *, intervals: bool

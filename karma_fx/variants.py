@@ -178,11 +178,11 @@ def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) 
 
 def leanest_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) -> Variant:
     """The leanest plan known (``karma_fx.strategies.leanest``): the floor every refusal names."""
-    from karma_fx.strategies.leanest import leanest_decisions
+    from karma_fx.strategies.leanest import leanest_plan_parts
 
     p = region.prepared
-    decisions = leanest_decisions(p.problem, p.costs, stream_weights=config.offload_weights)
-    return judged(region, Plan(_strategy_name(config, "leanest"), 0, decisions=decisions,
+    decisions, splits = leanest_plan_parts(p.problem, p.costs, stream_weights=config.offload_weights)
+    return judged(region, Plan(_strategy_name(config, "leanest"), 0, decisions=decisions, splits=splits,
                                status="FALLBACK:leanest",
                                notes=("the leanest plan: every saved activation swapped out and back just in time",)),
                   config, budget_bytes)

@@ -31,6 +31,7 @@ from karma_fx.passes.capture import CapturedStep, copy_joint
 from karma_fx.passes.liveness import _forward_nodes
 from karma_fx.plan import GradToHost, Offload, Plan, Recompute, StreamWeight
 from karma_fx.problem import Problem
+from karma_fx.split_ops import SPLIT_OPS
 
 
 def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.GraphModule, set[str]]:
@@ -133,11 +134,33 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             _stream_weight(graph, nodes, d, storage_of, op_names, forward)
         elif isinstance(d, GradToHost):
             _grad_to_host(graph, nodes, d, storage_of)
+    _split_kernels(graph, dict(plan.splits))
     _record_traced_inputs(graph)
     _stable_topological_order(graph)
     graph.lint()
     joint.recompile()
     return joint, forward_offloads
+
+
+def _split_kernels(graph: fx.Graph, splits: dict[str, int]) -> None:
+    """Each op the plan splits along the batch, and each recompute of it, becomes the karma op that runs it a
+    piece at a time (``karma_fx.split_ops``): the same arguments, then the number of pieces."""
+    if not splits:
+        return
+    seen: set[str] = set()
+    for node in graph.nodes:
+        name = node.meta.get("karma", {}).get("recompute_of", node.name) if node.op == "call_function" else None
+        if name not in splits:
+            continue
+        if node.target not in SPLIT_OPS:
+            raise InvalidPlanError(f"the plan splits {name} ({node.target}), which cannot run a piece of the batch "
+                                   "at a time")
+        node.target = SPLIT_OPS[node.target]
+        node.kwargs = {**node.kwargs, "chunks": splits[name]}
+        seen.add(name)
+    missing = sorted(set(splits) - seen)
+    if missing:
+        raise InvalidPlanError(f"the plan splits {missing[:3]}, which are not ops of this graph")
 
 
 def _record_traced_inputs(graph: fx.Graph) -> None:

@@ -68,7 +68,8 @@ def test_gradients_equal_eager(name, strategy):
     compiled = torch.compile(model, backend="karma", options=options, dynamic=False)
     assert_same_training(model, compiled, args, kwargs)
     (region,) = regions(options)
-    assert region.plan.strategy == strategy and region.plan.fits and region.plan.decisions
+    # (cpsat may fit the CNN by splitting its convolutions along the batch alone: karma_fx.split)
+    assert region.plan.strategy == strategy and region.plan.fits and (region.plan.decisions or region.plan.splits)
 
 
 class TwoHalves(torch.nn.Module):

@@ -18,9 +18,11 @@ from karma_fx import progress
 from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload
 from karma_fx.problem import Problem
+from karma_fx.split import SPLIT_CHUNKS, Splits, split_problem
 from karma_fx.strategies.base import RecomputeBuilder, figures_of, offload_for, reconcile, saved_gaps
 from karma_fx.strategies.greedy import Greedy
 from karma_fx.strategies.remat import Remat
+from karma_fx.strategies.split import worth_splitting
 from karma_fx.strategies.torch_budget import decisions_for_saved
 from karma_fx.strategies.weights import weight_streams
 from karma_fx.wire import host_casts
@@ -89,6 +91,24 @@ def leanest_decisions(problem: Problem, costs: Costs, *, stream_weights: bool = 
     return min(options, key=lambda d: figures_of(problem, costs, d).peak_bytes)
 
 
+def leanest_plan_parts(problem: Problem, costs: Costs, *, stream_weights: bool = False
+                       ) -> tuple[tuple[Decision, ...], Splits]:
+    """The decisions and kernel splits of the leanest plan: ``leanest_decisions`` of the step as written, or
+    of the step with every op whose scratch a split shrinks run in the most pieces tried (``karma_fx.split``),
+    whichever peaks lower. The default strategy (``SplitKernels`` around ``cpsat``) reaches the same."""
+    plain = leanest_decisions(problem, costs, stream_weights=stream_weights)
+    splits = worth_splitting(problem, costs, max(SPLIT_CHUNKS))
+    if not splits:
+        return plain, ()
+    run_problem, run_costs = split_problem(problem, costs, splits)
+    split = leanest_decisions(run_problem, run_costs, stream_weights=stream_weights)
+    if figures_of(run_problem, run_costs, split).peak_bytes < figures_of(problem, costs, plain).peak_bytes:
+        return split, splits
+    return plain, ()
+
+
 def leanest_peak(problem: Problem, costs: Costs, *, stream_weights: bool = False) -> int:
-    """The peak of the leanest plan (``leanest_decisions``): the floor quoted when a budget is infeasible."""
-    return figures_of(problem, costs, leanest_decisions(problem, costs, stream_weights=stream_weights)).peak_bytes
+    """The peak of the leanest plan (``leanest_plan_parts``): the floor quoted when a budget is infeasible."""
+    decisions, splits = leanest_plan_parts(problem, costs, stream_weights=stream_weights)
+    run_problem, run_costs = split_problem(problem, costs, splits)
+    return figures_of(run_problem, run_costs, decisions).peak_bytes
