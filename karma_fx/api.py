@@ -59,6 +59,7 @@ class Prepared:
     """The same step traced with its loss head chunked (each at one of ``passes.loss_head.chunk_sizes``), which
     ``plan`` also plans where the default strategy plans (``prepare(loss_chunk=None)``)."""
     _min_peak: int | None = None
+    _split_floor: bool | None = None
     _torch_saved: dict[float, frozenset[str]] = field(default_factory=dict)
 
     @property
@@ -75,7 +76,9 @@ class Prepared:
 
     def _floor_splits(self) -> bool:
         """Whether the leanest plan splits kernels along the batch (``karma_fx.split``)."""
-        return bool(leanest_plan_parts(self.problem, self.costs)[1])
+        if self._split_floor is None:
+            self._split_floor = bool(leanest_plan_parts(self.problem, self.costs)[1])
+        return self._split_floor
 
     def strategy(self, strategy: str | Strategy | None, *, offload_weights: bool = False,
                  time_limit_s: float | None = None) -> Strategy:
@@ -95,7 +98,6 @@ class Prepared:
             # (Megatron-GPT 1.56B at 6 GiB: uncapped, it took the CLI's strategy time from 36 s to 77 s, for
             # greedy's plan).
             inner = self.strategy(strategy, time_limit_s=time_limit_s or WEIGHTS_SOLVER_S)
-            inner = getattr(inner, "inner", inner)  # not SplitKernels: streams are planned on the step as written
             return BestOf([WeightsOutOfCore(inner)] + [WeightsOutOfCore(make_strategy(h))
                                                        for h in ("greedy", "offload", "karma")])
         if not isinstance(strategy, str):
@@ -142,7 +144,8 @@ class Prepared:
             floor = (leanest_peak(self.problem, self.costs, stream_weights=True) if offload_weights
                      else self.min_peak_bytes())
             how = ("every saved activation swapped out and back just in time"
-                   + (", convolutions run a piece of the batch at a time" if self._floor_splits() else "")
+                   + (", convolutions run a piece of the batch at a time"
+                      if not offload_weights and self._floor_splits() else "")
                    + ", which strategy='cpsat' reaches"
                    if self.costs.allow_offload else
                    "the leanest recompute-only plan known, rebuilding from checkpoints, which strategy='cpsat' "

@@ -275,7 +275,8 @@ class KarmaBackend:
                     from karma_fx.inductor import compile_region
 
                     fn = compile_region(region.gm, fake, partition, on_backward=session.saw_backward,
-                                        moves=lambda: "variant" in chosen and bool(chosen["variant"].plan.decisions))
+                                        moves=lambda: "variant" in chosen and bool(chosen["variant"].plan.decisions
+                                                                                    or chosen["variant"].plan.splits))
                 else:
                     fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
                                                bw_compiler=backward_compiler, partition_fn=partition)

@@ -278,6 +278,9 @@ class Plan:
         kwargs["splits"] = tuple((name, k) for name, k in kwargs.get("splits", ()))
         plan = cls(**kwargs)
         _check_one_decision_per_tensor(plan.decisions)
+        split_ops = [name for name, _ in plan.splits]
+        if len(set(split_ops)) != len(split_ops):
+            raise PlanValueError("malformed plan: splits names an op twice; fix the file or re-plan the model")
         return plan
 
     @classmethod

@@ -29,7 +29,7 @@ import torch
 from karma_fx.costs import Costs, estimate_costs
 from karma_fx.device import DeviceSpec, get_device
 from karma_fx.errors import KarmaError
-from karma_fx.problem import Problem, with_scratch
+from karma_fx.problem import Problem, with_scratch, with_split_costs
 
 log = logging.getLogger("karma_fx.pricing")
 COST_MODELS = ("roofline", "measured")
@@ -97,6 +97,8 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
             loops = fusible_ops(step.joint.graph)
             scratch = {name: b for name, b in scratch.items() if name not in loops}
         problem = with_scratch(problem, scratch)
+        # a split's time measured on this machine means nothing for a preset's roofline: modelled there
+        problem = with_split_costs(problem, measured.split_costs, timed=pricing.time == "measured")
     if pricing.time == "measured":
         costs = _measured_costs(problem, measured.op_time_us, primals or [])
     else:
@@ -129,13 +131,14 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool) -> tuple[Any
     from torch.utils._python_dispatch import _disable_current_modes
 
     from karma_fx.measure_run import ProfilerBusy
-    from karma_fx.passes.measure import pooled, scratch_bytes, time_joint
+    from karma_fx.passes.measure import pooled, scratch_and_split_costs, time_joint
 
     scratch: dict[str, int] = {}
+    split: dict[str, tuple[tuple[int, int, float], ...]] = {}
     times: dict[str, float] = {}
     with _disable_current_modes():
         try:
-            scratch = scratch_bytes(step, primals)
+            scratch, split = scratch_and_split_costs(step, primals)
             scratch_known = True
         except ProfilerBusy:
             scratch_known = False
@@ -148,7 +151,7 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool) -> tuple[Any
                 times = time_joint(step, primals, repeats=1, warm_up=not scratch_known)
             except ProfilerBusy:  # a GPU's kernels are timed through the profiler
                 timed = False
-    return pooled(step, times, scratch), scratch_known, timed
+    return pooled(step, times, scratch, split), scratch_known, timed
 
 
 def _measured_costs(problem: Problem, op_time_us: dict[str, float], primals: list[torch.Tensor]) -> Costs:

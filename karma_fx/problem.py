@@ -34,9 +34,10 @@ class Op:
     """Draws random numbers (dropout, randn): never recomputed, its result would differ."""
     mutates: bool = False
     """Has a side effect (buffer update, in-place op): never run twice."""
-    split: int = 1
-    """The most pieces its kernel may run in along the batch, one piece after another
-    (``karma_fx.split``: a convolution's scratch then shrinks with its piece); 1 where it may not be split."""
+    split_costs: tuple[tuple[int, int, float], ...] = ()
+    """For a kernel that may run a piece of the batch at a time (``karma_fx.split``), as measured where the
+    step runs: ``(pieces, its scratch then in bytes, its time then as a multiple of the whole op's, or 0.0 where
+    not timed)``, for each number of pieces that lowers its scratch. Empty for every other op."""
     module: str = field(default="", compare=False)
     """The innermost ``nn.Module`` the op ran in, as ``model.named_modules()`` names it
     (``transformer.h.3.mlp.c_fc``); a backward op carries its forward op's module. "" when unknown. A label for
@@ -159,6 +160,21 @@ def short_module(module: str, max_chars: int = 28) -> str:
     while len(".".join(parts[-keep - 1:])) + 1 <= max_chars:
         keep += 1
     return "…" + ".".join(parts[-keep:])
+
+
+def with_split_costs(problem: Problem, split: dict[str, tuple[tuple[int, int, float], ...]], *,
+                     timed: bool = True) -> Problem:
+    """``problem`` with each op's measured split costs (``Op.split_costs``, e.g. from
+    ``karma_fx.passes.measure.scratch_and_split_costs``), for ops whose scratch is counted; ``timed`` false
+    drops the measured times (0.0: modelled instead), as for a step priced on another device's roofline."""
+    chosen = {op.name: split[op.name] for op in problem.ops
+              if split.get(op.name) and f"{op.name}:scratch" in op.outputs}
+    if not chosen:
+        return problem
+    if not timed:
+        chosen = {name: tuple((k, b, 0.0) for k, b, _ in costs) for name, costs in chosen.items()}
+    ops = tuple(replace(op, split_costs=chosen[op.name]) if op.name in chosen else op for op in problem.ops)
+    return replace(problem, ops=ops, _index={}, _op_index={})
 
 
 def with_scratch(problem: Problem, scratch: dict[str, int]) -> Problem:

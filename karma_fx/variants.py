@@ -184,7 +184,8 @@ def leanest_variant(region: Region, config: KarmaConfig, budget_bytes: int | Non
     decisions, splits = leanest_plan_parts(p.problem, p.costs, stream_weights=config.offload_weights)
     return judged(region, Plan(_strategy_name(config, "leanest"), 0, decisions=decisions, splits=splits,
                                status="FALLBACK:leanest",
-                               notes=("the leanest plan: every saved activation swapped out and back just in time",)),
+                               notes=("the leanest plan: every saved activation swapped out and back just in time"
+                                      + (", convolutions run a piece of the batch at a time" if splits else ""),)),
                   config, budget_bytes)
 
 

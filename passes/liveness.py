@@ -27,7 +27,6 @@ from karma_fx.errors import UnsupportedModelError
 from karma_fx.passes.capture import CapturedStep
 from karma_fx.passes.op_stats import is_random, node_bytes_accessed, node_dtype, node_flops
 from karma_fx.problem import Op, Problem, Storage, describe_node
-from karma_fx.split_ops import split_limit
 # The dependency queries live next to ``Problem`` (strategies ask them without importing the passes); they are
 # re-exported here for the callers that always found them in this module.
 from karma_fx.dependencies import dependency_graph, recompute_ops  # noqa: F401
@@ -263,7 +262,6 @@ def build_problem(step: CapturedStep, name: str = "model") -> Problem:
             dtype=node_dtype(node),
             random=bool(is_random(node)),
             mutates=_is_mutating(node),
-            split=split_limit(node),
             module=modules[node],
         ))
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import statistics
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -134,7 +135,7 @@ def _live_storage_bytes(values: Any) -> int:
 
 
 def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable[[fx.Node], Any], *,
-               spill: bool = False) -> None:
+               spill: bool = False, after: Callable[[fx.Node, tuple, dict], None] | None = None) -> None:
     """Run ``step.joint`` once for real, node by node in execution order (as the boxed forward and backward
     graphs run it), each node inside the context manager ``around(node)``; tangents are ones. Called from
     inside AOTAutograd's partitioner too, where a fake-tensor mode is active: it runs on the real tensors.
@@ -142,7 +143,10 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
     ``spill`` (a step on a GPU): every value lives in host memory between the ops, and each op's inputs are
     copied to the device just before it runs (outside ``around``), its outputs back just after. The device then
     holds the weights and one op's inputs, outputs and scratch at a time, not the unplanned step, which is what
-    a budget is set below: measuring a step that does not fit must not need the memory it does not have."""
+    a budget is set below: measuring a step that does not fit must not need the memory it does not have.
+
+    ``after(node, args, kwargs)``, where given, is called once each node has run (outside ``around``), with the
+    tensors it read, to measure something else on them (``scratch_and_split_costs``)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
@@ -171,6 +175,8 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
                 a, kw = pytree.tree_map(lambda v: _moved(v, device), (a, kw))
             with around(node):
                 out = node.target(*a, **kw)
+            if after is not None:
+                after(node, a, kw)
             del a, kw
             env[node] = pytree.tree_map(lambda v: _moved(v, host), out) if spill else out
             del out
@@ -192,6 +198,8 @@ class JointCosts:
     """Each node's time: on a CPU its wall time, on CUDA the GPU time of the kernels it launched."""
     scratch_bytes: dict[str, int]
     """Bytes each node's kernels allocate beyond what the node leaves allocated (only nodes with some)."""
+    split_costs: dict[str, tuple[tuple[int, int, float], ...]] = field(default_factory=dict)
+    """For each node that may run a piece of the batch at a time: ``Op.split_costs`` as measured."""
 
 
 def measure_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 1) -> JointCosts:
@@ -203,21 +211,33 @@ def measure_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int 
     node does (``pooled``). So measuring costs two runs of the step, where timing it alone took four and its
     scratch one more. The RNG state is restored afterwards (no dropout mask of the training that follows
     changes); the joint graph is functional, so no parameter or buffer is updated."""
-    scratch = scratch_bytes(step, primals)
-    return pooled(step, time_joint(step, primals, repeats=repeats, warm_up=False), scratch)
+    scratch, split = scratch_and_split_costs(step, primals)
+    return pooled(step, time_joint(step, primals, repeats=repeats, warm_up=False), scratch, split)
 
 
-def pooled(step: CapturedStep, op_time_us: dict[str, float], scratch: dict[str, int]) -> JointCosts:
+def pooled(step: CapturedStep, op_time_us: dict[str, float], scratch: dict[str, int],
+           split: dict[str, tuple[tuple[int, int, float], ...]] | None = None) -> JointCosts:
     """Per-node measurements pooled over the nodes that do the same thing (one target on inputs of the same
     shapes, strides and dtypes, the same other arguments: a repeated layer's matmuls): each gets their median
     time and their largest scratch. A step with identical layers then gives each op as many samples as there
-    are layers from one timed run, and a kernel that allocated more on its first call counts everywhere."""
+    are layers from one timed run, and a kernel that allocated more on its first call counts everywhere. Split
+    costs are pooled the same way: per number of pieces, the largest scratch and the median time."""
     groups: dict[Any, list[str]] = {}
     for node in execution_order(step):
         groups.setdefault(_signature(node), []).append(node.name)
     times: dict[str, float] = {}
     largest: dict[str, int] = {}
+    split = split or {}
+    split_costs: dict[str, tuple[tuple[int, int, float], ...]] = {}
     for names in groups.values():
+        by_pieces: dict[int, list[tuple[int, float]]] = {}
+        for n in names:
+            for pieces, nbytes, ratio in split.get(n, ()):
+                by_pieces.setdefault(pieces, []).append((nbytes, ratio))
+        if by_pieces and all(n in split for n in names):  # offered only where every such node was measured
+            pooled_costs = tuple((k, max(b for b, _ in v), statistics.median(r for _, r in v))
+                                 for k, v in sorted(by_pieces.items()) if len(v) == len(names))
+            split_costs.update((n, pooled_costs) for n in names)
         timed = [op_time_us[n] for n in names if n in op_time_us]
         if timed:
             median = statistics.median(timed)
@@ -225,7 +245,7 @@ def pooled(step: CapturedStep, op_time_us: dict[str, float], scratch: dict[str, 
         most = max((scratch.get(n, 0) for n in names), default=0)
         if most > 0:
             largest.update((n, most) for n in names)
-    return JointCosts(op_time_us=times, scratch_bytes=largest)
+    return JointCosts(op_time_us=times, scratch_bytes=largest, split_costs=split_costs)
 
 
 def _signature(node: fx.Node) -> Any:
@@ -324,22 +344,52 @@ def _cuda_kernel_times(step: CapturedStep, primals: list[torch.Tensor], repeats:
 
 
 def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, int]:
+    """``scratch_and_split_costs``' scratch alone."""
+    return scratch_and_split_costs(step, primals)[0]
+
+
+def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor]
+                            ) -> tuple[dict[str, int], dict[str, tuple[tuple[int, int, float], ...]]]:
     """Run ``step.joint`` for real once, node by node, and return for each node the bytes its kernel
     allocates beyond what it leaves allocated: its scratch (a mask cast to the data's dtype in dropout's
     backward, softmax's row buffers, a convolution's reordered weights). Only nodes with some are listed.
 
     Read off the device allocator's own events (torch.profiler memory records of the primals' device,
     bracketed by a ``record_function`` per node): storage liveness cannot see an allocation that never becomes
-    a tensor the graph holds. The RNG state is restored afterwards, as in ``time_joint``."""
+    a tensor the graph holds. The RNG state is restored afterwards, as in ``time_joint``.
+
+    Second, each node that may run a piece of the batch at a time (``karma_fx.split_ops``) with scratch is run
+    again on the same tensors in each number of pieces the planner may choose (``karma_fx.split.SPLIT_CHUNKS``),
+    its scratch measured the same way (a piece's output before it is put in place counts, and whatever part of
+    the scratch does not shrink with the batch) and, on a CPU, its wall time against the whole op's, so that a
+    split is priced as measured, never assumed."""
 
     from torch.profiler import record_function
 
     from karma_fx.measure_run import allocator_events
+    from karma_fx.split import SPLIT_CHUNKS
+    from karma_fx.split_ops import SPLIT_OPS, split_limit
 
     cuda = any(t.is_cuda for t in primals)
+    ratios: dict[str, dict[int, float]] = {}
+
+    def try_pieces(node: fx.Node, args: tuple, kwargs: dict) -> None:
+        batch = split_limit(node)
+        if batch <= 1:
+            return
+        whole = _wall_us(lambda: node.target(*args, **kwargs), cuda)
+        for pieces in (k for k in SPLIT_CHUNKS if k <= batch):
+            op = SPLIT_OPS[node.target]
+            with record_function(f"{_SPLIT_TAG}{pieces}:{node.name}"):
+                out = op(*args, **kwargs, chunks=pieces)
+            del out
+            took = _wall_us(lambda: op(*args, **kwargs, chunks=pieces), cuda)
+            ratios.setdefault(node.name, {})[pieces] = took / whole if whole and took else 0.0
+
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
         with allocator_events() as prof:
-            _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name), spill=cuda)
+            _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name), spill=cuda,
+                       after=try_pieces)
     events = prof.profiler.kineto_results.events()
     device = "CUDA" if cuda else "CPU"
     memory = sorted((e.start_ns(), e.nbytes()) for e in events
@@ -349,14 +399,43 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
     for _, nbytes in memory:
         total += nbytes
         running.append(total)
-    scratch: dict[str, int] = {}
-    for e in events:
-        if not e.name().startswith(_NODE_TAG):
-            continue
+
+    def transient(e: Any) -> int | None:
+        """The range's peak above what it leaves allocated."""
         i, j = bisect.bisect_left(times, e.start_ns()), bisect.bisect_right(times, e.end_ns())
-        if j <= i:
-            continue
-        transient = max(running[i:j]) - running[j - 1]  # the node's peak above what it leaves allocated
-        if transient > 0:
-            scratch[e.name()[len(_NODE_TAG):]] = transient
-    return scratch
+        return max(running[i:j]) - running[j - 1] if j > i else None
+
+    scratch: dict[str, int] = {}
+    split_scratch: dict[str, dict[int, int]] = {}
+    for e in events:
+        if e.name().startswith(_NODE_TAG):
+            found = transient(e)
+            if found:
+                scratch[e.name()[len(_NODE_TAG):]] = found
+        elif e.name().startswith(_SPLIT_TAG):
+            pieces, name = e.name()[len(_SPLIT_TAG):].split(":", 1)
+            found = transient(e)
+            if found is not None:
+                split_scratch.setdefault(name, {})[int(pieces)] = found
+    split: dict[str, tuple[tuple[int, int, float], ...]] = {}
+    for name, by_pieces in split_scratch.items():
+        lower = tuple((k, b, 0.0 if cuda else ratios.get(name, {}).get(k, 0.0))
+                      for k, b in sorted(by_pieces.items()) if b < scratch.get(name, 0))
+        if lower:
+            split[name] = lower
+    return scratch, split
+
+
+_SPLIT_TAG = "karma_fx.split:"
+"""Prefix of the ``record_function`` range around a node run again in pieces (``pieces:name`` follows)."""
+
+
+def _wall_us(fn: Callable[[], Any], cuda: bool) -> float:
+    """Wall time of one call of ``fn`` in µs (0.0 on CUDA, where it would time the launch, not the kernels)."""
+    if cuda:
+        return 0.0
+    t0 = time.perf_counter()
+    out = fn()
+    took = (time.perf_counter() - t0) * 1e6
+    del out
+    return took

@@ -46,8 +46,9 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
                             joint_inputs=joint_inputs)
         problem = build_problem(step)
         plan = plan_fn(problem, step)
-        if plan.decisions or save_params:
-            rewritten, offload_names = rewrite_joint(step, problem, plan) if plan.decisions else (step.joint, set())
+        moves = bool(plan.decisions or plan.splits)
+        if moves or save_params:
+            rewritten, offload_names = rewrite_joint(step, problem, plan) if moves else (step.joint, set())
             if save_params:
                 hand_over_gradients(rewritten, primal_kinds, num_fwd_outputs)
             fw, bw = split(rewritten, num_fwd_outputs, offload_names)

@@ -95,9 +95,10 @@ def leanest_plan_parts(problem: Problem, costs: Costs, *, stream_weights: bool =
                        ) -> tuple[tuple[Decision, ...], Splits]:
     """The decisions and kernel splits of the leanest plan: ``leanest_decisions`` of the step as written, or
     of the step with every op whose scratch a split shrinks run in the most pieces tried (``karma_fx.split``),
-    whichever peaks lower. The default strategy (``SplitKernels`` around ``cpsat``) reaches the same."""
+    whichever peaks lower. The default strategy (``SplitKernels`` around ``cpsat``) reaches the same. With
+    ``stream_weights`` the step as written only: the weights' strategy plans no splits."""
     plain = leanest_decisions(problem, costs, stream_weights=stream_weights)
-    splits = worth_splitting(problem, costs, max(SPLIT_CHUNKS))
+    splits = () if stream_weights else worth_splitting(problem, costs, max(SPLIT_CHUNKS))
     if not splits:
         return plain, ()
     run_problem, run_costs = split_problem(problem, costs, splits)

@@ -5,9 +5,9 @@ the peak (on a CPU, a small CNN's ``convolution_backward`` holds 2 MiB of scratc
 that is the step's floor), the inner strategy cannot reach below it. This wrapper plans the step as written
 first; only where that plan does not fit, or its peak is at an op whose scratch a split would shrink, it also
 plans the step with every such op split into 2, 4 and 8 pieces (fewest first) and keeps the fastest plan that
-fits, priced by the same simulator (a split costs ``SPLIT_OVERHEAD`` per extra piece). Fewer pieces are tried
-first and the search stops at the first that fits without slowing the step, so a plan splits no more than
-memory asks.
+fits, priced by the same simulator with each split's scratch and time as measured. Fewer pieces are tried first
+and the search stops at the first that fits without slowing the step; each op whose split the plan turns out not
+to need is then put back whole (``_fewest``). Streamed weights (``WeightsOutOfCore``) plan the step as written.
 """
 from __future__ import annotations
 
@@ -39,8 +39,13 @@ class SplitKernels:
         return getattr(self.inner, attr)
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
+        # one time limit for every round: the inner strategy's own deadline nests inside it
+        with progress.deadline(getattr(self.inner, "time_limit_s", None)):
+            return self._plan(problem, costs, budget_bytes)
+
+    def _plan(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         plain = self.inner(problem, costs, budget_bytes)
-        if not plain.splits and not splittable(problem):
+        if not splittable(problem):
             return plain
         keep = simulate(problem, (), costs, detail=False)
         ops = splittable(problem, int(keep.peak_bytes * MIN_SCRATCH_SHARE))
@@ -61,10 +66,12 @@ class SplitKernels:
                 splits, got = _fewest(problem, costs, raw.decisions, splits, budget_bytes, got)
             key = _rank(got.peak_bytes, got.makespan_us, budget_bytes)
             if key < best_key:
-                status = "FEASIBLE" if raw.status == "OPTIMAL" else raw.status
-                best = replace(raw, splits=splits, status=status, lower_bound_us=None, notes=raw.notes + (
-                    f"kernels split along the batch: {describe_splits(splits)} (their scratch is a piece's); "
-                    "any lower bound above covered that split step only, so none is claimed",))
+                # the inner plan's bound and proofs were of the split step, not of every plan of this one
+                notes = raw.notes + ((f"kernels split along the batch: {describe_splits(splits)} (their scratch "
+                                      "as measured in pieces)",) if splits else ())
+                best = replace(raw, splits=splits, status=raw.status.replace("OPTIMAL", "FEASIBLE"),
+                               lower_bound_us=None, notes=notes + (
+                                   "planned on the step with kernels split; no lower bound is claimed",))
                 best_key = key
             if got.peak_bytes <= budget_bytes and (got.makespan_us <= good_enough or progress.past_deadline()):
                 break  # more pieces would only cost more, or there is no time left to look
