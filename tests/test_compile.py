@@ -52,7 +52,10 @@ def assert_same_training(model, compiled, args, kwargs, steps=3):
                 assert ((p.grad - q.grad).abs().max() / scale).item() <= 1e-5, (step, n)
         opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
     for (n, b), c in zip(model.named_buffers(), reference.buffers()):
-        assert torch.equal(b, c), f"buffer {n} differs (updated twice, or not at all?)"
+        # bit for bit, but for a convolution split along the batch (karma_fx.split_ops), whose outputs agree to
+        # rounding: the batch statistics fed to running_mean then differ in the last bits, never by an update
+        assert torch.equal(b, c) or torch.allclose(b, c, rtol=1e-5, atol=1e-8), \
+            f"buffer {n} differs (updated twice, or not at all?)"
 
 
 @pytest.mark.parametrize("name, strategy", CASES)

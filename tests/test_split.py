@@ -198,7 +198,7 @@ def test_a_plan_that_only_splits_is_run_split():
     torch.manual_seed(0)
     model = SmallCNN()
     x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    step = karma_fx.compile(model, budget=0.95)
+    step = karma_fx.compile(model, budget=0.95, costs="roofline")  # times not measured: the same plan every run
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         F.cross_entropy(step(x), y).backward()
