@@ -5,6 +5,12 @@
     python bench/plan_speed.py --models resnet1001,wrn28_10 --positions 0.5
     python bench/plan_speed.py --size real --models resnet1001,megatron_gpt --time-limit 60 \\
         --precision bf16-mixed --strategies cpsat,greedy      # issue 14's real-size table (on meta, H100 preset)
+    python bench/plan_speed.py --models resnet1001 --positions 0.25 --curve 1,2,4,8,16,none
+                                                            # what more time buys: one row per time limit
+
+With no ``--time-limit`` each plan gets cpsat's default limit, which grows with the graph
+(``karma_fx.strategies.cpsat.planner.default_time_limit_s``); ``--curve`` plans each cell once per limit given
+(``none``: no limit at all, ``default``: the default), so the default can be set against what it gives up.
 
 Issue 14 asks for every tiny model in at most 5 s on two cores, and for GPT-2-48 (``megatron_gpt`` real: 1.56B,
 48 layers) and ResNet-1001 at real size in at most 60 s with no fallback caused by their size. Each row is one
@@ -21,6 +27,7 @@ floors at 0.56-0.9 of the peak, so most such rows would time only the bound's pr
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import warnings
 
@@ -34,14 +41,16 @@ POSITIONS = ("0.75", "0.5", "0.25")
 
 def rows(models: list[str], budgets: list[str], strategies: list[str], *, size: str = "tiny",
          precision: str = "fp32", device: str | None = None, time_limit_s: float | None = None,
-         positions: bool = False) -> list[list]:
+         positions: bool = False, overrides: dict | None = None) -> list[list]:
     """One row per (model, budget, strategy): model, ops, budget, strategy, seconds, status, step µs, bound µs,
     gap %. ``positions``: each budget is a position between the leanest plan's peak (0) and the unplanned peak
     (1), shown as ``t=… (fraction of the peak)``; otherwise a fraction of the unplanned peak."""
     out = []
     for name in models:
-        model, args, kwargs = build(name, size, precision=precision, **({"device": "meta"} if size == "real" else {}))
-        prepared = prepare(model, args, kwargs, name=name, device=device)
+        model, args, kwargs = build(name, size, precision=precision, **({"device": "meta"} if size == "real" else {}),
+                                    **(overrides or {}))
+        prepared = _prepared(name, size, precision, device, tuple(sorted((overrides or {}).items())), model, args,
+                             kwargs)
         for budget in budgets:
             value: float | int = float(budget)
             label = budget
@@ -61,7 +70,18 @@ def rows(models: list[str], budgets: list[str], strategies: list[str], *, size: 
     return out
 
 
-def main() -> None:
+_CAPTURED: dict = {}
+
+
+def _prepared(name: str, size: str, precision: str, device: str | None, overrides: tuple, model, args, kwargs):
+    """One capture per model and settings, however many time limits a curve plans it with."""
+    key = (name, size, precision, device, overrides)
+    if key not in _CAPTURED:
+        _CAPTURED[key] = prepare(model, args, kwargs, name=name, device=device)
+    return _CAPTURED[key]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(names()), help="comma-separated zoo models")
     parser.add_argument("--positions", default=",".join(POSITIONS),
@@ -73,15 +93,41 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", choices=("tiny", "real"))
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed", "bf16"))
     parser.add_argument("--device", default=None, help="device preset (default: h100 for real sizes)")
-    parser.add_argument("--time-limit", type=float, default=None, help="seconds per plan (default: none)")
-    a = parser.parse_args()
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds per plan (default: cpsat's default limit for the graph)")
+    parser.add_argument("--curve", default=None,
+                        help="comma-separated time limits (seconds, 'default' or 'none'): one row per limit")
+    parser.add_argument("--layers", type=int, default=None, help="override the zoo model's layers")
+    parser.add_argument("--hidden", type=int, default=None, help="override the zoo model's hidden size")
+    parser.add_argument("--batch", type=int, default=None, help="override the zoo model's batch")
+    parser.add_argument("--seq", type=int, default=None, help="override the zoo model's sequence length")
+    a = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     device = a.device or ("h100" if a.size == "real" else None)
     budgets = (a.budgets or a.positions).split(",")
-    table = rows(a.models.split(","), budgets, a.strategies.split(","), size=a.size, precision=a.precision,
-                 device=device, time_limit_s=a.time_limit, positions=a.budgets is None)
-    print(tabulate(table, headers=["model", "ops", "budget", "strategy", "plan s", "status", "step µs", "bound µs",
-                                   "gap %"], floatfmt=".3f"))
+    overrides = {k: v for k, v in (("layers", a.layers), ("hidden", a.hidden), ("batch", a.batch),
+                                   ("seq", a.seq)) if v is not None}
+    headers = ["model", "ops", "budget", "strategy", "plan s", "status", "step µs", "bound µs", "gap %"]
+    if a.curve is None:
+        table = rows(a.models.split(","), budgets, a.strategies.split(","), size=a.size, precision=a.precision,
+                     device=device, time_limit_s=a.time_limit, positions=a.budgets is None, overrides=overrides)
+        print(tabulate(table, headers=headers, floatfmt=".3f"))
+        return
+    table = []
+    for limit in a.curve.split(","):
+        saved = os.environ.pop("KARMA_TIME_LIMIT", None)
+        if limit == "none":
+            os.environ["KARMA_TIME_LIMIT"] = "none"
+        try:
+            table += [[limit] + r for r in rows(a.models.split(","), budgets, a.strategies.split(","), size=a.size,
+                                                precision=a.precision, device=device, positions=a.budgets is None,
+                                                time_limit_s=None if limit in ("none", "default") else float(limit),
+                                                overrides=overrides)]
+        finally:
+            os.environ.pop("KARMA_TIME_LIMIT", None)
+            if saved is not None:
+                os.environ["KARMA_TIME_LIMIT"] = saved
+    print(tabulate(table, headers=["limit s"] + headers, floatfmt=".3f"))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,12 @@ def test_solver_scaling_smoke(capsys):
     assert "gpt2:2" in out and "cnn" in out and "capture s" in out
 
 
+def test_plan_speed_curve_smoke(capsys):
+    load("plan_speed").main(["--models", "cnn", "--positions", "0.25", "--curve", "0.5,none"])
+    out = capsys.readouterr().out
+    assert "limit s" in out and "\nnone" in out and "\n0.5" in out and "cnn" in out
+
+
 def test_overhead_smoke(capsys):
     overhead = load("overhead")
     assert overhead.main(["--models", "mlp", "--steps", "2"]) == 0

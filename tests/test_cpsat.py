@@ -735,3 +735,32 @@ except KeyboardInterrupt:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
     assert done.returncode == 0 and done.stdout.strip() == "interrupted", done.stdout + done.stderr
+
+
+def test_a_plan_that_names_no_limit_gets_one_that_grows_with_the_graph(monkeypatch):
+    """Without ``time_limit_s`` cpsat stops starting new work after ``DEFAULT_SECONDS_PER_OP`` a graph op
+    (between the least and the most it allows), or after ``$KARMA_TIME_LIMIT`` seconds; ``none`` lifts it."""
+    from dataclasses import replace
+
+    from karma_fx.errors import KarmaError
+    from karma_fx.strategies.cpsat.planner import (DEFAULT_MAX_S, DEFAULT_MIN_S, DEFAULT_SECONDS_PER_OP,
+                                                   default_time_limit_s)
+
+    prep = prepared("gpt2")
+    monkeypatch.delenv("KARMA_TIME_LIMIT", raising=False)
+    n = len(prep.problem.ops)
+    assert default_time_limit_s(prep.problem) == min(DEFAULT_MAX_S, max(DEFAULT_MIN_S, DEFAULT_SECONDS_PER_OP * n))
+    short = replace(prep.problem, ops=prep.problem.ops[:3], _index={}, _op_index={})
+    assert default_time_limit_s(short) == DEFAULT_MIN_S
+    assert default_time_limit_s(prep.problem) <= DEFAULT_MAX_S
+    monkeypatch.setenv("KARMA_TIME_LIMIT", "none")
+    assert default_time_limit_s(prep.problem) is None
+    monkeypatch.setenv("KARMA_TIME_LIMIT", "soon")
+    with pytest.raises(KarmaError, match="KARMA_TIME_LIMIT"):
+        default_time_limit_s(prep.problem)
+    # a limit too short for anything but the first heuristic that fits: a plan still comes back, and says why
+    monkeypatch.setenv("KARMA_TIME_LIMIT", "0.001")
+    budget = (prep.min_peak_bytes() + prep.unplanned_peak_bytes) // 2
+    plan = make_strategy("cpsat")(prep.problem, prep.costs, budget)
+    assert plan.decisions and any("time limit" in note for note in plan.notes), plan.notes
+    assert simulate(prep.problem, plan, prep.costs).peak_bytes <= budget

@@ -40,7 +40,8 @@ class SplitKernels:
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         # one time limit for every round: the inner strategy's own deadline nests inside it
-        with progress.deadline(getattr(self.inner, "time_limit_s", None)):
+        limit_for = getattr(self.inner, "limit_for", None)
+        with progress.deadline(limit_for(problem) if limit_for else getattr(self.inner, "time_limit_s", None)):
             return self._plan(problem, costs, budget_bytes)
 
     def _plan(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:

@@ -18,11 +18,12 @@ recompute: this is then Checkmate's problem (rematerialization under a memory bu
 bound, each heuristic, each solver model and each window starts only while time is left, every solve is cut to
 the time left, and the best plan so far is returned, noting that the limit stopped it. Until some heuristic
 has made a plan that fits, the heuristics run even past the limit (the cheapest come first), so the caller
-always gets a plan.
+always gets a plan. A call that names no limit gets one that grows with the graph (``default_time_limit_s``).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from typing import Sequence
 
@@ -44,6 +45,33 @@ from karma_fx.strategies.cpsat.window import refine_in_windows
 from karma_fx.strategies.leanest import leanest_decisions, leanest_moves
 
 
+DEFAULT_LIMIT_ENV = "KARMA_TIME_LIMIT"
+"""Overrides the default limit: a number of seconds, or ``none`` for no limit (each solve then stops only at its
+own effort limits: minutes on the largest graphs)."""
+DEFAULT_SECONDS_PER_OP = 0.005
+DEFAULT_MIN_S, DEFAULT_MAX_S = 4.0, 45.0
+
+
+def default_time_limit_s(problem: Problem) -> float | None:
+    """The wall-clock limit of a plan whose caller names none: ``DEFAULT_SECONDS_PER_OP`` a graph op, between
+    ``DEFAULT_MIN_S`` and ``DEFAULT_MAX_S`` (the work of a heuristic, a replay, a window grows with the ops;
+    see ``bench/plan_speed.py --curve`` for what more time buys), or ``$KARMA_TIME_LIMIT``."""
+    env = os.environ.get(DEFAULT_LIMIT_ENV, "").strip().lower()
+    if env:
+        if env == "none":
+            return None
+        try:
+            seconds = float(env)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            from karma_fx.errors import KarmaError
+
+            raise KarmaError(f"${DEFAULT_LIMIT_ENV} must be a number of seconds above 0 or 'none', got {env!r}")
+        return seconds
+    return min(DEFAULT_MAX_S, max(DEFAULT_MIN_S, DEFAULT_SECONDS_PER_OP * len(problem.ops)))
+
+
 class CpSat:
     name = "cpsat"
 
@@ -53,9 +81,13 @@ class CpSat:
         self.options = options or SolverOptions()
         self.time_limit_s = time_limit_s
 
+    def limit_for(self, problem: Problem) -> float | None:
+        """The wall-clock limit of a call on ``problem``: the one given, else the default for its size."""
+        return self.time_limit_s if self.time_limit_s is not None else default_time_limit_s(problem)
+
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         # paused GC: hundreds of replays and big models built over one large problem
-        with paused_gc(), progress.deadline(self.time_limit_s):
+        with paused_gc(), progress.deadline(self.limit_for(problem)):
             return self._plan(problem, costs, budget_bytes)
 
     def _plan(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
