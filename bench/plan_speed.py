@@ -113,8 +113,14 @@ def main(argv: list[str] | None = None) -> None:
                      device=device, time_limit_s=a.time_limit, positions=a.budgets is None, overrides=overrides)
         print(tabulate(table, headers=headers, floatfmt=".3f"))
         return
+    limits = a.curve.split(",")
+    for limit in limits:  # every entry checked before anything is planned
+        if limit not in ("none", "default") and not limit.replace(".", "", 1).isdigit():
+            parser.error(f"--curve takes seconds, 'default' or 'none', got {limit!r}")
+    if a.time_limit is not None:
+        parser.error("--curve sets the time limits itself: drop --time-limit")
     table = []
-    for limit in a.curve.split(","):
+    for limit in limits:
         saved = os.environ.pop("KARMA_TIME_LIMIT", None)
         if limit == "none":
             os.environ["KARMA_TIME_LIMIT"] = "none"

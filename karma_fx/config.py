@@ -108,6 +108,10 @@ class KarmaConfig:
             raise KarmaError(f"time_limit_s must be a positive number of seconds, got {limit!r}")
         if limit is not None:
             object.__setattr__(self, "time_limit_s", float(limit))
+        else:  # the default limit's override: a bad one is said where the step is compiled, not at its first plan
+            from karma_fx.strategies.cpsat.planner import check_time_limit_env
+
+            check_time_limit_env()
         if self.costs is not None and self.costs not in COST_MODELS:
             raise KarmaError(f"costs must be one of {COST_MODELS} or None (the default: measured where the step "
                              f"runs here), got {self.costs!r}")

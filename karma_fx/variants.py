@@ -214,7 +214,8 @@ def planned_variant(region: Region, config: KarmaConfig, target: int, budget_byt
     log.info("karma_fx: region %d planned at %s: %s, %s, peak %s", region.index, format_bytes(target),
              planned.plan.strategy, planned.plan.status, format_bytes(planned.plan.peak_bytes))
     if cache is not None and key is not None:
-        cache.put(key, planned.plan)
+        if not any("time limit" in note for note in planned.plan.notes):  # a plan cut short is not the answer
+            cache.put(key, planned.plan)
     plan = _against_the_step_as_written(region, planned.plan.replace(budget_bytes=budget_bytes or target))
     return Variant(plan=plan, fp=footprint(p.problem, planned.timeline, plan, offload_weights=config.offload_weights,
                                            boundary=region.boundary))

@@ -13,8 +13,9 @@ from karma_fx.zoo import build
 # of whoever runs the suite says: every other test runs the planned graphs op by op. The default itself is
 # tested with this variable removed (tests/test_inductor.py).
 os.environ["KARMA_COMPILER"] = "eager"
-# Plans are made to the end, as before the default time limit: a wall-clock limit would make a test's plan depend
-# on how busy the machine is. The default itself is tested with this variable removed (tests/test_cpsat.py).
+# cpsat plans to the end, as before its default time limit: a wall-clock limit would make a test's plan depend on
+# how busy the machine is (streamed weights keep their own 10 s a solver round). The default itself is tested with
+# this variable removed (tests/test_cpsat.py).
 os.environ["KARMA_TIME_LIMIT"] = "none"
 
 

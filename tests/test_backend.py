@@ -66,7 +66,8 @@ def test_gradients_equal_eager(name, strategy):
     assert reached < high, f"{strategy} moves nothing on {name}"
     options = {"budget": (reached + high) // 2, "strategy": strategy}
     compiled = torch.compile(model, backend="karma", options=options, dynamic=False)
-    assert_same_training(model, compiled, args, kwargs)
+    # cpsat may split the CNN's convolutions: BatchNorm's statistics then agree with eager's to rounding
+    assert_same_training(model, compiled, args, kwargs, exact_buffers=strategy != "cpsat")
     (region,) = regions(options)
     # (cpsat may fit the CNN by splitting its convolutions along the batch alone: karma_fx.split)
     assert region.plan.strategy == strategy and region.plan.fits and (region.plan.decisions or region.plan.splits)

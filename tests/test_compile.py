@@ -33,7 +33,7 @@ def budgets(name, costs=None):
     return (high, low + (high - low) // 2, low)
 
 
-def assert_same_training(model, compiled, args, kwargs, steps=3):
+def assert_same_training(model, compiled, args, kwargs, steps=3, exact_buffers=True):
     reference = copy.deepcopy(model)
     opt_a = torch.optim.SGD(compiled.parameters(), lr=0.05)
     opt_b = torch.optim.SGD(reference.parameters(), lr=0.05)
@@ -54,7 +54,7 @@ def assert_same_training(model, compiled, args, kwargs, steps=3):
     for (n, b), c in zip(model.named_buffers(), reference.buffers()):
         # bit for bit, but for a convolution split along the batch (karma_fx.split_ops), whose outputs agree to
         # rounding: the batch statistics fed to running_mean then differ in the last bits, never by an update
-        assert torch.equal(b, c) or torch.allclose(b, c, rtol=1e-5, atol=1e-8), \
+        assert torch.equal(b, c) or (not exact_buffers and torch.allclose(b, c, rtol=1e-5, atol=1e-8)), \
             f"buffer {n} differs (updated twice, or not at all?)"
 
 
@@ -69,7 +69,8 @@ def test_gradients_equal_eager(name, strategy):
         model, args, kwargs = build(name, "tiny")
         compiled = karma_fx.compile(model, budget=budget, strategy=strategy)
         try:  # an infeasible budget is refused as the step first runs, before anything in the model changed
-            assert_same_training(model, compiled, args, kwargs)
+            # (cpsat may split the CNN's convolutions: BatchNorm statistics then agree with eager's to rounding)
+            assert_same_training(model, compiled, args, kwargs, exact_buffers=strategy != "cpsat")
         except InfeasibleBudgetError:
             continue
         assert compiled.plan.strategy == strategy and compiled.plan.fits

@@ -740,8 +740,11 @@ except KeyboardInterrupt:
 def test_a_plan_that_names_no_limit_gets_one_that_grows_with_the_graph(monkeypatch):
     """Without ``time_limit_s`` cpsat stops starting new work after ``DEFAULT_SECONDS_PER_OP`` a graph op
     (between the least and the most it allows), or after ``$KARMA_TIME_LIMIT`` seconds; ``none`` lifts it."""
-    from dataclasses import replace
+    from types import SimpleNamespace
 
+    import torch
+
+    import karma_fx
     from karma_fx.errors import KarmaError
     from karma_fx.strategies.cpsat.planner import (DEFAULT_MAX_S, DEFAULT_MIN_S, DEFAULT_SECONDS_PER_OP,
                                                    default_time_limit_s)
@@ -750,14 +753,20 @@ def test_a_plan_that_names_no_limit_gets_one_that_grows_with_the_graph(monkeypat
     monkeypatch.delenv("KARMA_TIME_LIMIT", raising=False)
     n = len(prep.problem.ops)
     assert default_time_limit_s(prep.problem) == min(DEFAULT_MAX_S, max(DEFAULT_MIN_S, DEFAULT_SECONDS_PER_OP * n))
-    short = replace(prep.problem, ops=prep.problem.ops[:3], _index={}, _op_index={})
-    assert default_time_limit_s(short) == DEFAULT_MIN_S
-    assert default_time_limit_s(prep.problem) <= DEFAULT_MAX_S
+    def with_ops(count):  # only the number of ops counts
+        return SimpleNamespace(ops=(None,) * count)
+
+    assert default_time_limit_s(with_ops(3)) == DEFAULT_MIN_S
+    assert default_time_limit_s(with_ops(2000)) == pytest.approx(2000 * DEFAULT_SECONDS_PER_OP)
+    assert DEFAULT_MIN_S < 2000 * DEFAULT_SECONDS_PER_OP < DEFAULT_MAX_S
+    assert default_time_limit_s(with_ops(20000)) == DEFAULT_MAX_S
     monkeypatch.setenv("KARMA_TIME_LIMIT", "none")
     assert default_time_limit_s(prep.problem) is None
     monkeypatch.setenv("KARMA_TIME_LIMIT", "soon")
     with pytest.raises(KarmaError, match="KARMA_TIME_LIMIT"):
         default_time_limit_s(prep.problem)
+    with pytest.raises(KarmaError, match="KARMA_TIME_LIMIT"):  # said where the step is compiled
+        karma_fx.compile(torch.nn.Linear(2, 2), budget=0.5)
     # a limit too short for anything but the first heuristic that fits: a plan still comes back, and says why
     monkeypatch.setenv("KARMA_TIME_LIMIT", "0.001")
     budget = (prep.min_peak_bytes() + prep.unplanned_peak_bytes) // 2

@@ -37,7 +37,7 @@ def check_time_limit(time_limit_s: float | None) -> float | None:
     if (not isinstance(time_limit_s, numbers.Real) or isinstance(time_limit_s, bool)
             or not math.isfinite(time_limit_s) or time_limit_s <= 0):
         raise KarmaError(f"time_limit_s must be a finite number of seconds above 0, got {time_limit_s!r}; "
-                         "pass e.g. 30, or None for no limit")
+                         "pass e.g. 30, or None for cpsat's default (KARMA_TIME_LIMIT=none: no limit)")
     return float(time_limit_s)
 
 
@@ -49,6 +49,10 @@ def make_strategy(name: str, saved_set: SavedSetFn | None = None, *, time_limit_
     its notes). The other strategies make one pass each and take no limit (torch-budget's partitioner cannot
     be cut short), but the value is still validated."""
     limit = check_time_limit(time_limit_s)
+    if name == "cpsat":
+        from karma_fx.strategies.cpsat.planner import check_time_limit_env
+
+        check_time_limit_env()  # a bad $KARMA_TIME_LIMIT is said now, not deep inside the first plan
     factories: dict[str, Callable[[], Strategy]] = {
         "keep": Keep,
         "checkpoint": Checkpoint,

@@ -59,6 +59,8 @@ class SplitKernels:
             return plain
         best, best_key = plain, _rank(tl.peak_bytes, tl.makespan_us, budget_bytes)
         for chunks in SPLIT_CHUNKS:
+            if best_key[0] == 0 and progress.past_deadline():
+                break  # a plan fits and the time is up: no new round
             splits = worth_splitting(problem, costs, chunks)
             run_problem, run_costs = split_problem(problem, costs, splits)
             raw = self.inner(run_problem, run_costs, budget_bytes)

@@ -52,23 +52,35 @@ DEFAULT_SECONDS_PER_OP = 0.005
 DEFAULT_MIN_S, DEFAULT_MAX_S = 4.0, 45.0
 
 
+def check_time_limit_env() -> float | str | None:
+    """``$KARMA_TIME_LIMIT`` read: seconds, ``"none"``, or None where unset; a ``KarmaError`` naming it when it
+    is anything else."""
+    env = os.environ.get(DEFAULT_LIMIT_ENV, "").strip().lower()
+    if not env:
+        return None
+    if env == "none":
+        return env
+    try:
+        seconds = float(env)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        from karma_fx.errors import KarmaError
+
+        raise KarmaError(f"${DEFAULT_LIMIT_ENV} must be a number of seconds above 0 or 'none', got {env!r}")
+    return seconds
+
+
 def default_time_limit_s(problem: Problem) -> float | None:
     """The wall-clock limit of a plan whose caller names none: ``DEFAULT_SECONDS_PER_OP`` a graph op, between
     ``DEFAULT_MIN_S`` and ``DEFAULT_MAX_S`` (the work of a heuristic, a replay, a window grows with the ops;
-    see ``bench/plan_speed.py --curve`` for what more time buys), or ``$KARMA_TIME_LIMIT``."""
-    env = os.environ.get(DEFAULT_LIMIT_ENV, "").strip().lower()
-    if env:
-        if env == "none":
-            return None
-        try:
-            seconds = float(env)
-        except ValueError:
-            seconds = math.nan
-        if not (math.isfinite(seconds) and seconds > 0):
-            from karma_fx.errors import KarmaError
-
-            raise KarmaError(f"${DEFAULT_LIMIT_ENV} must be a number of seconds above 0 or 'none', got {env!r}")
-        return seconds
+    see ``bench/plan_speed.py --curve`` for what more time buys), or ``$KARMA_TIME_LIMIT``. Streamed weights
+    (``offload_weights``) keep their own share instead (``karma_fx.api.WEIGHTS_SOLVER_S`` a solver round)."""
+    env = check_time_limit_env()
+    if env == "none":
+        return None
+    if env is not None:
+        return float(env)
     return min(DEFAULT_MAX_S, max(DEFAULT_MIN_S, DEFAULT_SECONDS_PER_OP * len(problem.ops)))
 
 
