@@ -341,9 +341,11 @@ class _GreedyAsTheModelSeesIt:
         from karma_fx.strategies.cpsat.model import candidates, decisions_from
         from karma_fx.strategies.cpsat.segments import attach_plan_choices
         from karma_fx.strategies.greedy import Greedy
-        from karma_fx.strategies.leanest import leanest_peak
+        from karma_fx.strategies.leanest import leanest_decisions
 
-        low, high = leanest_peak(problem, costs), timeline_of(problem, costs, ()).peak_bytes
+        # the floor of the step as written (leanest_peak may split convolutions, which greedy does not)
+        low = timeline_of(problem, costs, leanest_decisions(problem, costs)).peak_bytes
+        high = timeline_of(problem, costs, ()).peak_bytes
         greedy = Greedy()(problem, costs, int(low + 0.2 * (high - low)))
         sizes = sorted(s.size_bytes for s in problem.saved_activations())
         cands = candidates(problem, min_bytes=sizes[len(sizes) // 4])  # a quarter of them too small to decide
