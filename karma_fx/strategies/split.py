@@ -49,7 +49,8 @@ class SplitKernels:
         if not splittable(problem):
             return plain
         keep = simulate(problem, (), costs, detail=False)
-        ops = splittable(problem, int(keep.peak_bytes * MIN_SCRATCH_SHARE))
+        min_scratch = int(keep.peak_bytes * MIN_SCRATCH_SHARE)  # worth_splitting's threshold, replayed once here
+        ops = splittable(problem, min_scratch)
         if not ops:
             return plain
         tl = simulate(problem, plain, costs, detail=False)
@@ -61,7 +62,7 @@ class SplitKernels:
         for chunks in SPLIT_CHUNKS:
             if best_key[0] == 0 and progress.past_deadline():
                 break  # a plan fits and the time is up: no new round
-            splits = worth_splitting(problem, costs, chunks)
+            splits = split_all(problem, chunks, min_scratch)
             run_problem, run_costs = split_problem(problem, costs, splits)
             raw = self.inner(run_problem, run_costs, budget_bytes)
             got = simulate(run_problem, raw.decisions, run_costs, detail=False)
