@@ -309,6 +309,29 @@ def test_fused_intermediates_cost_nothing_and_delayed_matmuls_extend_lifetimes()
     assert [s.name for s in fused.saved_activations()] == [s.name for s in problem.saved_activations()]
 
 
+def test_a_result_an_extern_kernel_reads_is_a_buffer_its_other_readers_read():
+    """A ReLU over four inputs that a convolution reads is realised (extern kernels read buffers), so the mask
+    taken of it, read by three kernels, reads two buffers (the ReLU and the gradient) and is inlined into
+    each, as Inductor does. Counted as inlined, the ReLU lent the mask its four reads, the mask looked too
+    costly to inline, and the model freed the ReLU where the mask was made, not where its readers ran."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from karma_fx.passes.fusible import inlined_ops
+
+    def step(a, b, c, d, w, g):
+        r = torch.relu((a - b) * c + d)
+        y = torch.nn.functional.conv2d(r, w)
+        mask = torch.where(r <= 0, 0.0, g)
+        return y, mask.sum(), mask * 3, mask - 1
+
+    inputs = [torch.randn(2, 4, 8, 8) for _ in range(4)] + [torch.randn(4, 4, 1, 1), torch.randn(2, 4, 8, 8)]
+    graph = make_fx(step)(*inputs).graph
+    inlined = inlined_ops(graph)
+    relu = next(n.name for n in graph.nodes if n.target == torch.ops.aten.relu.default)
+    where = next(n.name for n in graph.nodes if n.target == torch.ops.aten.where.self)
+    assert relu not in inlined and where in inlined
+
+
 def assert_measured_within_plan(model, compiled, args, kwargs, below=None, slack=0.001):
     """A steady-state step of ``compiled`` peaks on the allocator (torch.profiler memory events) at no more than
     the plan's peak (``slack``: a fraction of it, for the few bytes no model sees: the loss's scalar, a
