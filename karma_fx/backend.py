@@ -241,17 +241,21 @@ class KarmaBackend:
         inductor = session.config.compiler == "inductor"
         if inductor:
             from karma_fx.inductor import min_cut_partition
-        partition = make_partition_fn(plan_fn, region.kinds, region.names, on_done,
-                                      save_params=pipeline is not None,
-                                      keep_all=min_cut_partition if inductor else None,
-                                      dropout_backward=not inductor)
+        planned = make_partition_fn(plan_fn, region.kinds, region.names, on_done,
+                                    save_params=pipeline is not None,
+                                    keep_all=min_cut_partition if inductor else None,
+                                    dropout_backward=not inductor)
+
+        def partition(*args: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+            fw, bw = planned(*args, **kwargs)
+            if pipeline is not None:  # in the partition, so that Inductor compiles the calls too
+                insert_gradient_hooks(bw, pipeline)
+            return fw, bw
 
         def forward_compiler(graph: fx.GraphModule, _: Any) -> Any:
             return boxed_graph(graph)
 
         def backward_compiler(graph: fx.GraphModule, _: Any) -> Any:
-            if pipeline is not None:
-                insert_gradient_hooks(graph, pipeline)
             inner = boxed_graph(graph)
 
             def backward(boxed_args: list) -> Any:
@@ -274,9 +278,13 @@ class KarmaBackend:
                 if inductor:
                     from karma_fx.inductor import compile_region
 
+                    # a graph that hands gradients over is compiled as a planned one (no reordering, no
+                    # buffer reuse): no read of a parameter moves past its hand-over, and no buffer the
+                    # pipeline holds is written again by a later kernel
                     fn = compile_region(region.gm, fake, partition, on_backward=session.saw_backward,
-                                        moves=lambda: "variant" in chosen and bool(chosen["variant"].plan.decisions
-                                                                                    or chosen["variant"].plan.splits))
+                                        moves=lambda: pipeline is not None or (
+                                            "variant" in chosen and bool(chosen["variant"].plan.decisions
+                                                                         or chosen["variant"].plan.splits)))
                 else:
                     fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
                                                bw_compiler=backward_compiler, partition_fn=partition)

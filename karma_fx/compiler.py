@@ -51,10 +51,6 @@ class KarmaModule(nn.Module):
                 "offload_weights=True is implemented for models whose weights are in host memory and run on the "
                 "CPU (where it is tested); streaming CUDA weights from pinned host memory is not implemented yet")
         pipeline = None
-        if (optimizer is not None or data_parallel) and config.compiler == "inductor":
-            raise UnsupportedModelError(
-                'compiler="inductor" does not take optimizer= or data_parallel= yet: the gradient pipeline is '
-                'called from inside the backward graph, which Inductor cannot compile; use compiler="eager"')
         if optimizer is not None or data_parallel:
             params = [p for p in model.parameters() if p.requires_grad]
             pipeline = GradientPipeline(params, optimizer=optimizer, data_parallel=data_parallel,
@@ -319,9 +315,9 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     roofline instead, the scratch still measured (``karma_fx.pricing``). ``compiler``: ``"inductor"`` (the default, or
     ``$KARMA_COMPILER``) compiles the planned graphs with Inductor, as ``torch.compile`` would, the copies and
     waits kept where the plan put them (``karma_fx.inductor``); ``"eager"`` runs them op by op. With
-    ``optimizer=`` or ``data_parallel=`` the default is ``"eager"`` and ``$KARMA_COMPILER`` is not followed: the
-    gradient pipeline is called from inside the backward graph, which Inductor does not compile yet
-    (``compiler="inductor"`` refuses). ``loss_chunk``: a cross-entropy over a linear layer's logits computed
+    ``optimizer=`` or ``data_parallel=`` the backward graph hands each gradient to the pipeline through the
+    operator ``karma::gradient_ready``, which Inductor compiles as an extern kernel; such graphs are compiled
+    as planned ones (no reordering, no buffer reuse). ``loss_chunk``: a cross-entropy over a linear layer's logits computed
     that many tokens at a time (``karma_fx.loss_ops``), never holding the whole ``[tokens, vocabulary]`` logits,
     their log-softmax or their gradient; ``0`` never; ``None`` (default) as the planner decides.
     """
@@ -330,8 +326,6 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     if optimizer is not None and not callable(optimizer):
         raise KarmaError("optimizer must be a callable that builds a torch.optim.Optimizer from a parameter list, "
                          "e.g. functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)")
-    if compiler is None and (optimizer is not None or data_parallel):
-        compiler = "eager"  # the gradient pipeline runs inside the backward graph, which Inductor cannot compile
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
                               time_limit_s=time_limit_s, plan_cache=plan_cache, costs=costs, compiler=compiler,
                               loss_chunk=loss_chunk)

@@ -389,3 +389,18 @@ def gradient_ready(grad: torch.Tensor, param: torch.Tensor, pipeline: int) -> No
                          "host optimizer and gradient pipeline are closed; keep the module karma_fx.compile "
                          "returned alive until loss.backward() has returned")
     target.ready(grad, param)
+
+
+# ``karma::gradient_ready``: the call the backward graph makes, as an operator, so that Inductor compiles the
+# graph that makes it (a Python function in an FX graph is not something Inductor lowers). It returns nothing
+# and is registered as having a side effect, so neither FX's dead-code elimination nor Inductor's scheduler
+# drops it. It declares no mutation of ``param`` although the host optimizer updates the parameter after it:
+# a declared mutation would bump the parameter's version, and another region's backward that saved the same
+# parameter would then refuse to run; the hand-over is placed after the parameter's last read in its graph
+# (``karma_fx.passes.partition.hand_over_gradients``), and a graph that makes it is compiled with Inductor's
+# reordering off (``karma_fx.inductor.PLAN_SAFE_CONFIG``), so no read moves past it.
+_lib = torch.library.Library("karma", "FRAGMENT")
+_lib.define("gradient_ready(Tensor grad, Tensor param, int pipeline) -> ()")
+_lib.impl("gradient_ready", gradient_ready, "CompositeExplicitAutograd")
+_lib.impl("gradient_ready", lambda grad, param, pipeline: None, "Meta")
+torch.fx.node.has_side_effect(torch.ops.karma.gradient_ready.default)

@@ -3,8 +3,9 @@
 
 The partition (``karma_fx.passes.partition.hand_over_gradients``) marks each parameter's gradient with a
 ``hand_over(grad, param)`` node placed after the parameter's last read; once the backward graph is emitted,
-``insert_gradient_hooks`` turns every marker into a call of ``karma_fx.exchange.gradient_ready`` and drops
-those gradients from the graph's outputs, so the pipeline, not autograd, owns them.
+``insert_gradient_hooks`` turns every marker into a call of the operator ``karma::gradient_ready`` (which
+Inductor compiles as an extern kernel; ``karma_fx.exchange.gradient_ready`` behind it) and drops those
+gradients from the graph's outputs, so the pipeline, not autograd, owns them.
 
 Example::
 
@@ -12,9 +13,10 @@ Example::
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
-from karma_fx.exchange import GradientPipeline, gradient_ready
+from karma_fx.exchange import GradientPipeline
 from karma_fx.passes.partition import hand_over
 
 __all__ = ["insert_gradient_hooks"]
@@ -31,7 +33,9 @@ def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline) -> lis
     for i, o in enumerate(outs):
         if isinstance(o, fx.Node) and o.target is hand_over:
             grad, param = o.args
-            o.target, o.args = gradient_ready, (grad, param, pipeline.id)
+            o.target, o.args = torch.ops.karma.gradient_ready.default, (grad, param, pipeline.id)
+            o.meta.pop("val", None)  # it returns nothing
+            o.meta.pop("tensor_meta", None)
             outs[i] = None
             consumed.append(i)
     output.args = (tuple(outs),)

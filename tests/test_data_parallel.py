@@ -25,10 +25,10 @@ import train_gpt_dp  # noqa: E402
 from karma_fx.zoo import output_to_loss  # noqa: E402
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, timeout: float = 240, **env_vars: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
            *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -65,6 +65,20 @@ def test_ranks_on_shards_equal_one_process_on_the_batch(tmp_path, ranks):
                 key=lambda e: e["ts"])
     assert first["ts"] < backward["ts"] + backward["dur"]
     assert sum(e["name"].endswith("issued") for e in events) > 1, "several buckets"
+
+
+def test_ranks_compiled_by_inductor_equal_one_process_on_the_batch(tmp_path):
+    """The default compiler: each rank's planned graphs, the gradient hand-overs in the backward included
+    (``karma::gradient_ready``), compiled by Inductor (this suite otherwise runs the op-by-op compiler)."""
+    out = tmp_path / "params.pt"
+    run = torchrun(2, "--optimizer", "sgd", "--lr", "0.05", "--out", str(out), KARMA_COMPILER="inductor",
+                   TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_COMPILE_THREADS="1")
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "2 rank(s)" in run.stdout
+    got, want = torch.load(out), single_process_reference()
+    for name, w in want.items():
+        scale = w.abs().max().clamp_min(1e-30)
+        assert ((got[name] - w).abs().max() / scale).item() <= 1e-5, name
 
 
 WORKER = textwrap.dedent("""

@@ -16,7 +16,7 @@ import torch._dynamo
 import karma_fx
 from karma_fx.backend import regions
 from karma_fx.config import KarmaConfig
-from karma_fx.errors import KarmaError, UnsupportedModelError
+from karma_fx.errors import KarmaError
 from karma_fx.plan import Offload, Recompute
 from karma_fx.zoo import build, output_to_loss
 
@@ -155,9 +155,8 @@ def assert_karma_ops_in_place(graph: torch.fx.GraphModule, schedule: list[set[st
 
 # ---- tests ---------------------------------------------------------------------------------------------------
 def test_the_default_compiler_and_karma_compiler(monkeypatch):
-    """Unset, every door runs Inductor, but the front door with the gradient pipeline, which Inductor does not
-    compile, runs eager (the suite sets $KARMA_COMPILER=eager, see conftest); $KARMA_COMPILER picks for every
-    door."""
+    """Unset, every door runs Inductor, the front door with the gradient pipeline included (the suite sets
+    $KARMA_COMPILER=eager, see conftest); $KARMA_COMPILER picks for every door."""
     for env in (None, "inductor"):  # unset, then asked for by name: the same doors
         if env is None:
             monkeypatch.delenv("KARMA_COMPILER")
@@ -167,9 +166,11 @@ def test_the_default_compiler_and_karma_compiler(monkeypatch):
         assert KarmaConfig.from_options({"budget": 1.0}).compiler == "inductor"
         assert karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0)._made_with[0].compiler == "inductor"
         step = karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, optimizer=torch.optim.SGD)
-        assert step._made_with[0].compiler == "eager"
+        assert step._made_with[0].compiler == "inductor"
     monkeypatch.setenv("KARMA_COMPILER", "eager")
     assert KarmaConfig.make(budget=1.0).compiler == "eager"
+    step = karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, optimizer=torch.optim.SGD)
+    assert step._made_with[0].compiler == "eager"
     monkeypatch.setenv("KARMA_COMPILER", "tvm")
     with pytest.raises(KarmaError, match=r"\$KARMA_COMPILER must be one of eager, inductor"):
         KarmaConfig.make(budget=1.0)
@@ -183,8 +184,6 @@ def test_compiler_is_validated():
             KarmaConfig.make(budget=1.0, compiler=bad)
     with pytest.raises(KarmaError, match="compiler must be"):
         karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, compiler="aot_eager")
-    with pytest.raises(UnsupportedModelError, match="optimizer="):
-        karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, compiler="inductor", optimizer=torch.optim.SGD)
     model = torch.nn.Linear(4, 4)
     with pytest.raises(Exception, match="compiler must be"):
         torch.compile(model, backend="karma", options={"budget": 1.0, "compiler": "xla"})(torch.randn(2, 4))
@@ -644,3 +643,35 @@ def test_convolutions_split_along_the_batch_under_inductor():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert compiled.plan.splits and compiled.plan.fits
     assert_measured_within_plan(model, compiled, (x,), {}, slack=0.01)
+
+
+def test_the_host_optimizer_runs_in_inductor_compiled_backward_graphs():
+    """``optimizer=`` under Inductor: the backward graph Inductor compiles hands each gradient to the host
+    AdamW (``karma::gradient_ready``, an extern kernel), and the parameters after three steps equal those of
+    the same plan compiled by Inductor without the pipeline, with torch.optim.AdamW stepped after backward.
+    A plan that moves tensors and splits a convolution (the CNN at 0.7, roofline costs so both plan alike)."""
+    import functools
+
+    from torch._inductor.utils import run_and_get_code
+
+    model, args, kwargs = build("cnn", "tiny")
+    reference = copy.deepcopy(model)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    step = karma_fx.compile(model, budget=0.7, compiler="inductor", costs="roofline", optimizer=adamw,
+                            bucket_bytes=4096)
+    plain = karma_fx.compile(reference, budget=0.7, compiler="inductor", costs="roofline")
+    ordinary = adamw(reference.parameters())
+    for i in range(3):
+        torch.manual_seed(i)  # the same dropout masks
+        _, code = run_and_get_code(lambda: output_to_loss(step(*args, **kwargs)).backward())
+        if i == 0:
+            assert any("torch.ops.karma.gradient_ready" in c for c in code), "the hand-over is compiled"
+        torch.manual_seed(i)
+        output_to_loss(plain(*args, **kwargs)).backward()
+        ordinary.step()
+        ordinary.zero_grad()
+    step.pipeline.wait_updates()
+    assert step.plan.decisions and step.plan == plain.plan and len(step.pipeline.buckets) > 1
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is None, f"{n}: the host optimizer consumed its gradient"
+        assert torch.allclose(p, q, rtol=0, atol=1e-6 * q.abs().max().item()), n
