@@ -2,6 +2,7 @@
 
     python bench/inductor_overhead.py [--models mlp,megatron_gpt,mlp_tiny] [--steps 30] [--budgets 0.9]
     python bench/inductor_overhead.py --predict [--costs measured] [--predict-budgets 0.9,0.8] [--threads 1]
+    python bench/inductor_overhead.py --optimizer 0.8 [--models megatron_gpt] [--threads 1]
 
 Time table: per model, a training step (forward, loss, backward, dropped grads) under
 ``torch.compile(backend="inductor")`` and under ``karma_fx.compile(compiler="inductor")`` with a 1 TiB budget
@@ -103,6 +104,53 @@ def time_table(names: list[str], steps: int) -> list[list[str]]:
         base = median["torch.compile inductor"]
         for label, ms in median.items():
             rows.append([name, label, f"{ms:.3f}", f"{(ms / base - 1) * 100:+.2f}%"])
+    return rows
+
+
+def optimizer_table(names: list[str], steps: int, budget: str) -> list[list[str]]:
+    """A whole training step with AdamW (forward, loss, backward, update): ``torch.compile(backend="inductor")``
+    with ``optimizer.step()`` after backward, beside ``karma_fx.compile(optimizer=...)`` at ``budget``, whose
+    host AdamW steps bucket by bucket while backward runs, its graphs compiled by Inductor (the default) and
+    op by op (``compiler="eager"``, the only choice before ``karma::gradient_ready``). Interleaved, medians."""
+    import functools
+
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4, foreach=True)
+    rows = []
+    for name in names:
+        torch._dynamo.reset()
+        base, args, kwargs = MODELS[name]()
+        other = copy.deepcopy(base)
+        ordinary = adamw(other.parameters())
+        plain = torch.compile(other, backend="inductor", dynamic=False)
+
+        def plain_step() -> None:
+            output_to_loss(plain(*args, **kwargs)).backward()
+            ordinary.step()
+            ordinary.zero_grad(set_to_none=True)
+
+        variants = {"torch.compile inductor, AdamW after backward": plain_step}
+        for compiler in ("inductor", "eager"):
+            m = copy.deepcopy(base)
+            step = karma_fx.compile(m, budget=budget, compiler=compiler, optimizer=adamw)
+
+            def karma_step(step: Any = step) -> None:
+                output_to_loss(step(*args, **kwargs)).backward()
+                step.pipeline.wait_updates()
+
+            variants[f"karma {compiler}, host AdamW in backward, budget {budget}"] = karma_step
+        times: dict[str, list[float]] = {label: [] for label in variants}
+        for run in variants.values():  # compile and warm up
+            for _ in range(3):
+                run()
+        for _ in range(steps):
+            for label, run in variants.items():
+                start = time.perf_counter()
+                run()
+                times[label].append(time.perf_counter() - start)
+        base_ms = statistics.median(times["torch.compile inductor, AdamW after backward"]) * 1e3
+        for label, t in times.items():
+            ms = statistics.median(t) * 1e3
+            rows.append([name, label, f"{ms:.3f}", f"{(ms / base_ms - 1) * 100:+.2f}%"])
     return rows
 
 
@@ -210,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the predicted-vs-measured step time table (--costs, --predict-budgets)")
     p.add_argument("--costs", default="measured", help="cost model of the predict table: measured or roofline")
     p.add_argument("--predict-budgets", default="0.8", help="fractions planned in the predict table")
+    p.add_argument("--optimizer", default="",
+                   help="only the table of a whole step with AdamW, karma's host optimizer at this budget")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (0: torch's default); 1 keeps a shared machine's other load from "
                         "stalling OpenMP kernels, which spin for their sibling threads")
@@ -219,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     names = a.models.split(",")
+    if a.optimizer:
+        print(tabulate(optimizer_table(names, a.steps, a.optimizer),
+                       headers=["model", "step", "median ms", "vs torch.compile"], tablefmt="github"))
+        return 0
     if a.predict:
         budgets = [float(b) for b in a.predict_budgets.split(",") if b]
         print(tabulate(predict_table(names, a.steps, budgets, a.costs),

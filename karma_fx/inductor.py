@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
+import itertools
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -91,18 +93,47 @@ def _partitioner(partition: Callable) -> Any:
     """``partition`` as the ``CustomPartitionerFn`` Inductor's config takes. Its ``uuid`` is ``None``: the plan
     depends on the budget and on what the step's other regions hold, which no cache key of Inductor's sees,
     so AOTAutograd's cache must never hand back another plan's graphs (Inductor's per-graph code cache,
-    keyed by the rewritten graphs themselves, still works)."""
+    keyed by the rewritten graphs themselves, still works).
+
+    ``release()`` lets go of ``partition`` once the region is compiled (the object and its class hold only a
+    key to it).
+    Inductor keeps a copy of the first configuration it serialises for the life of the process, this object
+    included; ``partition`` closes over the region's first inputs, the parameters among them, so a deleted
+    compiled model kept its weights (and, with ``optimizer=``, its optimizer state) until the process ended,
+    even after ``torch._dynamo.reset()``."""
+    key = next(_partition_keys)
+    _partitions[key] = partition
+    return _partitioner_class()(key)
+
+
+_partitions: dict[int, Callable] = {}
+"""The partition functions of the regions being compiled, by key: a partitioner holds only its key, because
+Inductor copies the configuration it keeps, and a copy of a partitioner holding the function would keep it."""
+_partition_keys = itertools.count()
+
+
+@functools.cache
+def _partitioner_class() -> type:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class KarmaPartitioner(CustomPartitionerFn):
+        def __init__(self, key: int) -> None:
+            self.key = key
+
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                      ) -> tuple[fx.GraphModule, fx.GraphModule]:
+            partition = _partitions.get(self.key)
+            if partition is None:  # pragma: no cover - Inductor partitions once, during the compile
+                raise RuntimeError("karma_fx: a region's partitioner was called after its compile ended")
             return partition(gm, joint_inputs, **kwargs)
+
+        def release(self) -> None:
+            _partitions.pop(self.key, None)
 
         def uuid(self) -> None:
             return None
 
-    return KarmaPartitioner()
+    return KarmaPartitioner
 
 
 def _announcing(code: Any, on_call: Callable[[], None]) -> Callable:
@@ -207,8 +238,12 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Cal
             code = compile_fx_inner(graph, inputs, **kwargs)
         return _announcing(code, on_backward) if kwargs.get("is_backward") else code
 
-    patches = {"custom_partitioner_fn": _partitioner(partition)}
-    return compile_fx(_own_copy(gm), example_inputs, inner_compile=inner, config_patches=patches)
+    partitioner = _partitioner(partition)
+    try:
+        return compile_fx(_own_copy(gm), example_inputs, inner_compile=inner,
+                          config_patches={"custom_partitioner_fn": partitioner})
+    finally:
+        partitioner.release()
 
 
 def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -675,3 +675,27 @@ def test_the_host_optimizer_runs_in_inductor_compiled_backward_graphs():
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad is None, f"{n}: the host optimizer consumed its gradient"
         assert torch.allclose(p, q, rtol=0, atol=1e-6 * q.abs().max().item()), n
+
+
+def test_a_deleted_model_compiled_by_inductor_frees_its_weights_and_optimizer():
+    """Inductor keeps a copy of the first configuration it serialises for the life of the process, the
+    partitioner karma hands it included; the partitioner held the region's partition function, which closes
+    over the region's first inputs: the first model compiled in a process kept its weights after ``del`` and
+    ``torch._dynamo.reset()``. A partitioner now holds a key, released when the region is compiled."""
+    import functools
+    import gc
+    import weakref
+
+    from karma_fx import inductor
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    weight = weakref.ref(model[0].weight)
+    step = karma_fx.compile(model, budget=1.0, compiler="inductor",
+                            optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    step(torch.randn(16, 8)).sum().backward()
+    step.pipeline.wait_updates()
+    assert inductor._partitions == {}, "every compiled region let go of its partition function"
+    del model, step
+    torch._dynamo.reset()
+    gc.collect()
+    assert weight() is None
