@@ -30,6 +30,9 @@ Inductor had copied host copies into that layout in the forward, 2 MiB each, whi
 offload -23.2%: the roofline's copies are slower than this CPU's memcpy, so the plan holds each swapped-out
 source longer than it lives (with ``costs="measured"`` -2.6%, one-off). Every cell is within its budget.
 
+Optimizer table (``--optimizer B``): a whole step with AdamW, ``torch.compile`` stepping it after backward
+beside karma's host AdamW at budget ``B``, compiled by Inductor and op by op (``docs/measurements.md``).
+
 Predict table (``--predict``): the plan's predicted step time against the measured one, nothing moved and at
 each ``--predict-budgets`` fraction, each prediction twice from the same op times: as the plan now counts
 them (a fused group costs its kernel, ``karma_fx.fusion.kernel_costs``) and replayed on the ops one by one
