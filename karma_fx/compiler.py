@@ -289,6 +289,15 @@ def _check_runnable(weight_devices: set[str], args: tuple, kwargs: dict) -> None
                                     "one device first")
 
 
+def inductor_keeps_hand_overs() -> bool:
+    """Whether this torch's Inductor keeps an extern kernel that returns nothing and mutates nothing but is
+    registered as having a side effect (``karma::gradient_ready``): from 2.10 its ``FallbackKernel`` asks the
+    registry; before, it asked only the schema, and dropped the call."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) >= (2, 10)
+
+
 def compile(model: nn.Module, *, budget: str | int | float, device: str | DeviceSpec | None = None,
             strategy: str | Strategy | None = None, optimizer: OptimizerFactory | None = None,
             data_parallel: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -317,7 +326,9 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     waits kept where the plan put them (``karma_fx.inductor``); ``"eager"`` runs them op by op. With
     ``optimizer=`` or ``data_parallel=`` the backward graph hands each gradient to the pipeline through the
     operator ``karma::gradient_ready``, which Inductor compiles as an extern kernel; such graphs are compiled
-    as planned ones (no reordering, no buffer reuse). ``loss_chunk``: a cross-entropy over a linear layer's logits computed
+    as planned ones (no reordering, no buffer reuse). Inductor before torch 2.10 drops an extern kernel
+    that returns nothing, so there those doors run op by op by default, and ``compiler="inductor"`` with them is
+    refused. ``loss_chunk``: a cross-entropy over a linear layer's logits computed
     that many tokens at a time (``karma_fx.loss_ops``), never holding the whole ``[tokens, vocabulary]`` logits,
     their log-softmax or their gradient; ``0`` never; ``None`` (default) as the planner decides.
     """
@@ -326,6 +337,13 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     if optimizer is not None and not callable(optimizer):
         raise KarmaError("optimizer must be a callable that builds a torch.optim.Optimizer from a parameter list, "
                          "e.g. functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)")
+    if (optimizer is not None or data_parallel) and not inductor_keeps_hand_overs():
+        if compiler == "inductor":
+            raise UnsupportedModelError(
+                f'compiler="inductor" takes optimizer= and data_parallel= from torch 2.10 on (this is torch '
+                f'{torch.__version__}): an older Inductor drops the call that hands each gradient to the pipeline, '
+                'and the parameters would silently not be updated; use compiler="eager" or a newer torch')
+        compiler = "eager"
     config = KarmaConfig.make(budget=budget, strategy=strategy, device=device, offload_weights=offload_weights,
                               time_limit_s=time_limit_s, plan_cache=plan_cache, costs=costs, compiler=compiler,
                               loss_chunk=loss_chunk)

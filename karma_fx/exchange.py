@@ -381,8 +381,11 @@ def broadcast_from_rank0(module: torch.nn.Module) -> None:
                 raise _exchange_error("the initial broadcast of rank 0's weights", exc) from exc
 
 
-def gradient_ready(grad: torch.Tensor, param: torch.Tensor, pipeline: int) -> None:
-    """Called from the backward graph: ``grad`` of ``param`` is produced and backward no longer reads it."""
+def gradient_ready(grad: torch.Tensor, param: torch.Tensor, pipeline: int,
+                   read_before: list[torch.Tensor] | tuple = ()) -> None:
+    """Called from the backward graph: ``grad`` of ``param`` is produced and backward reads neither any more.
+    ``read_before``: results computed from ``param`` that must exist before it is updated (under Inductor they
+    would otherwise be computed later, inside the kernels that read them); the call only has to follow them."""
     target = _pipelines.get(pipeline)
     if target is None:  # closed with its module, or collected: the backward outlived the compiled module
         raise KarmaError("the compiled module this backward belongs to was deleted before its backward ran: its "
@@ -397,10 +400,13 @@ def gradient_ready(grad: torch.Tensor, param: torch.Tensor, pipeline: int) -> No
 # drops it. It declares no mutation of ``param`` although the host optimizer updates the parameter after it:
 # a declared mutation would bump the parameter's version, and another region's backward that saved the same
 # parameter would then refuse to run; the hand-over is placed after the parameter's last read in its graph
-# (``karma_fx.passes.partition.hand_over_gradients``), and a graph that makes it is compiled with Inductor's
-# reordering off (``karma_fx.inductor.PLAN_SAFE_CONFIG``), so no read moves past it.
+# (``karma_fx.passes.partition.hand_over_gradients``), a graph that makes it is compiled with Inductor's
+# reordering off (``karma_fx.inductor.PLAN_SAFE_CONFIG``), and the backward's pointwise readers of the
+# parameter are its inputs (``read_before``), so that Inductor computes them before the call, not inside a
+# later kernel. Inductor before 2.10 drops an extern kernel without outputs unless its schema mutates
+# something (it does not consult the side-effect registry): ``karma_fx.compiler`` keeps those versions eager.
 _lib = torch.library.Library("karma", "FRAGMENT")
-_lib.define("gradient_ready(Tensor grad, Tensor param, int pipeline) -> ()")
+_lib.define("gradient_ready(Tensor grad, Tensor param, int pipeline, Tensor[] read_before) -> ()")
 _lib.impl("gradient_ready", gradient_ready, "CompositeExplicitAutograd")
-_lib.impl("gradient_ready", lambda grad, param, pipeline: None, "Meta")
+_lib.impl("gradient_ready", lambda grad, param, pipeline, read_before: None, "Meta")
 torch.fx.node.has_side_effect(torch.ops.karma.gradient_ready.default)

@@ -210,7 +210,18 @@ has waited for its copy (``karma_fx.runtime`` holds it), as the plan counts it."
 
 
 def _offloads(graph: fx.GraphModule) -> bool:
-    return any(node.target is torch.ops.karma.offload.default for node in graph.graph.nodes)
+    """Whether the graph swaps tensors out, or hands gradients to the gradient pipeline
+    (``karma::gradient_ready``): the pipeline keeps a gradient after the call (a bucket, an all-reduce in
+    flight), so no later kernel may write its buffer (a bias's gradient the backward read on was overwritten
+    in place by the next kernel's result), as with a copy's source."""
+    ops = (torch.ops.karma.offload.default, _gradient_ready())
+    return any(node.target in ops for node in graph.graph.nodes)
+
+
+def _gradient_ready() -> Any:
+    import karma_fx.exchange  # noqa: F401 - defines karma::gradient_ready
+
+    return torch.ops.karma.gradient_ready.default
 
 
 def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Callable,

@@ -23,7 +23,7 @@ __all__ = ["insert_gradient_hooks"]
 
 
 def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline) -> list[int]:
-    """Turn each ``hand_over(grad, param)`` marker of an emitted backward graph (see
+    """Turn each ``hand_over(grad, param, *read_before)`` marker of an emitted backward graph (see
     ``karma_fx.passes.partition.hand_over_gradients``) into a ``gradient_ready`` call, in place, and drop those
     gradients from the graph's outputs: the pipeline consumes them. Returns the output positions dropped."""
     graph = bw.graph
@@ -32,8 +32,8 @@ def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline) -> lis
     consumed = []
     for i, o in enumerate(outs):
         if isinstance(o, fx.Node) and o.target is hand_over:
-            grad, param = o.args
-            o.target, o.args = torch.ops.karma.gradient_ready.default, (grad, param, pipeline.id)
+            grad, param, *read_before = o.args
+            o.target, o.args = torch.ops.karma.gradient_ready.default, (grad, param, pipeline.id, read_before)
             o.meta.pop("val", None)  # it returns nothing
             o.meta.pop("tensor_meta", None)
             outs[i] = None

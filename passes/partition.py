@@ -66,17 +66,27 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
     return partition
 
 
-def hand_over(grad: Any, param: Any) -> Any:
-    """A marker in the joint graph: ``grad`` of ``param`` is final here and the parameter is no longer read.
-    Returns ``grad``; the backward compiler turns each marker into a call to the gradient pipeline."""
+def hand_over(grad: Any, param: Any, *read_before: Any) -> Any:
+    """A marker in the joint graph: ``grad`` of ``param`` is final here, and neither is read any more.
+    ``read_before``: the backward's pointwise results that read the parameter, which the call must follow
+    (``hand_over_gradients``). Returns ``grad``; the backward compiler turns each marker into a call to the
+    gradient pipeline."""
     return grad
 
 
 def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outputs: int) -> None:
-    """Route each parameter's gradient through a ``hand_over(grad, param)`` node placed after the gradient is
-    made and after the parameter's last read (directly or through a view), in place. The parameter thereby
-    reaches the backward graph, so the pipeline learns which parameter a gradient belongs to even when one
-    compiled region runs for several layers, each with its own weights."""
+    """Route each parameter's gradient through a ``hand_over(grad, param, *read_before)`` node placed after
+    the gradient is made, after its own last read, and after the parameter's last read (each directly or
+    through a view), in place. The parameter thereby reaches the backward graph, so the pipeline learns which
+    parameter a gradient belongs to even when one compiled region runs for several layers, each with its own
+    weights.
+
+    Graph order is not enough under Inductor, which computes a pointwise result inside the kernel that reads
+    it, wherever that kernel runs: a ``grad * weight`` placed before the hand-over could read the weight after
+    the host optimizer's worker updated it. The backward's pointwise readers of the parameter are therefore
+    inputs of the hand-over (``read_before``), which Inductor computes before the call. And a gradient the
+    backward still reads (a bias added to a tensor of its own shape: its gradient is also the gradient that
+    flows on) would be handed over while Inductor may still write a later result into its buffer."""
     from karma_fx.passes.liveness import storage_key
 
     graph = joint.graph
@@ -90,6 +100,7 @@ def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outp
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             readers.setdefault(storage_key(val), []).extend(u for u in node.users if u.op != "output")
+    backward = _downstream_of_tangents(nodes)
     changed = False
     for slot, kind in enumerate(primal_kinds):
         at = num_fwd_outputs + slot
@@ -98,9 +109,12 @@ def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outp
         param, grad = primals[slot], outs[at]
         val = param.meta.get("val")
         later = readers.get(storage_key(val), []) if isinstance(val, torch.Tensor) else list(param.users)
-        anchor = max([grad] + [r for r in later if r in position], key=position.__getitem__)
+        grad_val = grad.meta.get("val")
+        grad_readers = readers.get(storage_key(grad_val), []) if isinstance(grad_val, torch.Tensor) else []
+        anchor = max([grad] + [r for r in [*later, *grad_readers] if r in position], key=position.__getitem__)
+        read_before = sorted({r for r in later if r in backward and _pointwise(r)}, key=position.__getitem__)
         with graph.inserting_after(anchor):
-            marker = graph.call_function(hand_over, (grad, param))
+            marker = graph.call_function(hand_over, (grad, param, *read_before))
         marker.meta = {k: v for k, v in grad.meta.items() if k in ("val", "tensor_meta")}
         marker.meta["partitioner_tag"] = "is_backward"
         outs[at] = marker
@@ -109,6 +123,23 @@ def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outp
         output.args = (type(output.args[0])(outs),)
         graph.lint()
         joint.recompile()
+
+
+def _downstream_of_tangents(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The nodes of a joint graph that depend on a tangent: its backward."""
+    out: set[fx.Node] = set()
+    for node in nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _pointwise(node: fx.Node) -> bool:
+    """A single-tensor pointwise op (Inductor may compute it inside a later kernel that reads it)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.pointwise in target.tags and isinstance(node.meta.get("val"), torch.Tensor))
 
 
 def split(joint: fx.GraphModule, num_fwd_outputs: int, forced_forward: set[str]) -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -699,3 +699,82 @@ def test_a_deleted_model_compiled_by_inductor_frees_its_weights_and_optimizer():
     torch._dynamo.reset()
     gc.collect()
     assert weight() is None
+
+
+class _ReadsWeightLate(torch.nn.Module):
+    """A weight read elementwise: Inductor computes ``grad * w`` inside a later kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.w = torch.nn.Parameter(torch.randn(16))
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(torch.tanh(self.l1(x)) * self.w))
+
+
+class _ReadsGradientOn(torch.nn.Module):
+    """A bias added to a tensor of its own shape: its gradient is also the gradient that flows on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Parameter(torch.randn(4, 16))
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(torch.tanh(self.l1(x)) + self.b))
+
+
+@pytest.mark.parametrize("build_model, update_at_once", [(_ReadsWeightLate, True), (_ReadsGradientOn, False)])
+def test_the_hand_over_follows_every_read_of_its_parameter_and_gradient(monkeypatch, build_model, update_at_once):
+    """Under Inductor the hand-over must come after every read of the parameter (a pointwise read is computed
+    inside whichever kernel reads its result: ``grad * w`` ran after ``w``'s hand-over and read the updated
+    weight) and after every read of the gradient (Inductor wrote the next kernel's result into the buffer of a
+    gradient the pipeline held until the end of backward, in one bucket). For the first, each host update is
+    made to finish before backward goes on, so a late read sees it. One SGD step equals eager's."""
+    import functools
+
+    from karma_fx import exchange
+
+    ready = exchange.GradientPipeline.ready
+
+    def ready_then_update(self, grad, param):
+        ready(self, grad, param)
+        for future in list(self._pending):
+            future.result()
+
+    if update_at_once:
+        monkeypatch.setattr(exchange.GradientPipeline, "ready", ready_then_update)
+    torch.manual_seed(0)
+    model = build_model()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    sgd = functools.partial(torch.optim.SGD, lr=1.0)
+    step = karma_fx.compile(model, budget=1.0, compiler="inductor", optimizer=sgd,
+                            bucket_bytes=1 if update_at_once else 1 << 20)
+    step(x).pow(2).sum().backward()
+    step.pipeline.wait_updates()
+    opt = sgd(reference.parameters())
+    reference(x).pow(2).sum().backward()
+    opt.step()
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-6), (n, (p - q).abs().max().item())
+
+
+def test_before_torch_2_10_the_pipeline_doors_run_op_by_op(monkeypatch):
+    """Inductor before 2.10 drops an extern kernel that returns nothing and mutates nothing: the hand-over
+    would vanish and the parameters silently never update. There the pipeline doors default to the op-by-op
+    compiler, and asking for Inductor with them is refused."""
+    from karma_fx import compiler
+    from karma_fx.errors import UnsupportedModelError
+
+    monkeypatch.delenv("KARMA_COMPILER")
+    assert compiler.inductor_keeps_hand_overs() == (torch.__version__ >= "2.10")
+    monkeypatch.setattr(compiler, "inductor_keeps_hand_overs", lambda: False)
+    step = karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, optimizer=torch.optim.SGD)
+    assert step._made_with[0].compiler == "eager"
+    assert karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0)._made_with[0].compiler == "inductor"
+    with pytest.raises(UnsupportedModelError, match="from torch 2.10 on"):
+        karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, compiler="inductor", data_parallel=True)
