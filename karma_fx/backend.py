@@ -249,7 +249,7 @@ class KarmaBackend:
         def partition(*args: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             fw, bw = planned(*args, **kwargs)
             if pipeline is not None:  # in the partition, so that Inductor compiles the calls too
-                insert_gradient_hooks(bw, pipeline)
+                insert_gradient_hooks(bw, pipeline, order_reads=inductor)
             return fw, bw
 
         def forward_compiler(graph: fx.GraphModule, _: Any) -> Any:

@@ -326,7 +326,7 @@ def compile(model: nn.Module, *, budget: str | int | float, device: str | Device
     waits kept where the plan put them (``karma_fx.inductor``); ``"eager"`` runs them op by op. With
     ``optimizer=`` or ``data_parallel=`` the backward graph hands each gradient to the pipeline through the
     operator ``karma::gradient_ready``, which Inductor compiles as an extern kernel; such graphs are compiled
-    as planned ones (no reordering, no buffer reuse). Inductor before torch 2.10 drops an extern kernel
+    as planned ones (no reordering, neither buffer nor in-place reuse). Inductor before torch 2.10 drops an extern kernel
     that returns nothing, so there those doors run op by op by default, and ``compiler="inductor"`` with them is
     refused. ``loss_chunk``: a cross-entropy over a linear layer's logits computed
     that many tokens at a time (``karma_fx.loss_ops``), never holding the whole ``[tokens, vocabulary]`` logits,

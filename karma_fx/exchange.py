@@ -401,7 +401,7 @@ def gradient_ready(grad: torch.Tensor, param: torch.Tensor, pipeline: int,
 # a declared mutation would bump the parameter's version, and another region's backward that saved the same
 # parameter would then refuse to run; the hand-over is placed after the parameter's last read in its graph
 # (``karma_fx.passes.partition.hand_over_gradients``), a graph that makes it is compiled with Inductor's
-# reordering off (``karma_fx.inductor.PLAN_SAFE_CONFIG``), and the backward's pointwise readers of the
+# reordering off (``karma_fx.inductor.PLAN_SAFE_CONFIG``), and the backward's results computed from the
 # parameter are its inputs (``read_before``), so that Inductor computes them before the call, not inside a
 # later kernel. Inductor before 2.10 drops an extern kernel without outputs unless its schema mutates
 # something (it does not consult the side-effect registry): ``karma_fx.compiler`` keeps those versions eager.

@@ -22,10 +22,12 @@ from karma_fx.passes.partition import hand_over
 __all__ = ["insert_gradient_hooks"]
 
 
-def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline) -> list[int]:
+def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline, order_reads: bool = True) -> list[int]:
     """Turn each ``hand_over(grad, param, *read_before)`` marker of an emitted backward graph (see
     ``karma_fx.passes.partition.hand_over_gradients``) into a ``gradient_ready`` call, in place, and drop those
-    gradients from the graph's outputs: the pipeline consumes them. Returns the output positions dropped."""
+    gradients from the graph's outputs: the pipeline consumes them. ``order_reads``: keep the results computed
+    from the parameter as inputs of the call (for Inductor, which would otherwise compute them later; a graph
+    run op by op runs in order, and they would only live longer). Returns the output positions dropped."""
     graph = bw.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
@@ -33,7 +35,8 @@ def insert_gradient_hooks(bw: fx.GraphModule, pipeline: GradientPipeline) -> lis
     for i, o in enumerate(outs):
         if isinstance(o, fx.Node) and o.target is hand_over:
             grad, param, *read_before = o.args
-            o.target, o.args = torch.ops.karma.gradient_ready.default, (grad, param, pipeline.id, read_before)
+            o.target, o.args = torch.ops.karma.gradient_ready.default, (
+                grad, param, pipeline.id, read_before if order_reads else [])
             o.meta.pop("val", None)  # it returns nothing
             o.meta.pop("tensor_meta", None)
             outs[i] = None

@@ -68,7 +68,7 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
 
 def hand_over(grad: Any, param: Any, *read_before: Any) -> Any:
     """A marker in the joint graph: ``grad`` of ``param`` is final here, and neither is read any more.
-    ``read_before``: the backward's pointwise results that read the parameter, which the call must follow
+    ``read_before``: the backward's results computed from the parameter, which the call must follow
     (``hand_over_gradients``). Returns ``grad``; the backward compiler turns each marker into a call to the
     gradient pipeline."""
     return grad
@@ -83,8 +83,9 @@ def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outp
 
     Graph order is not enough under Inductor, which computes a pointwise result inside the kernel that reads
     it, wherever that kernel runs: a ``grad * weight`` placed before the hand-over could read the weight after
-    the host optimizer's worker updated it. The backward's pointwise readers of the parameter are therefore
-    inputs of the hand-over (``read_before``), which Inductor computes before the call. And a gradient the
+    the host optimizer's worker updated it. The backward's results computed from the parameter are therefore
+    inputs of the hand-over (``read_before``), which Inductor computes before the call (the op-by-op compiler
+    drops them: it runs the graph in order). And a gradient the
     backward still reads (a bias added to a tensor of its own shape: its gradient is also the gradient that
     flows on) would be handed over while Inductor may still write a later result into its buffer."""
     from karma_fx.passes.liveness import storage_key
@@ -112,7 +113,9 @@ def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outp
         grad_val = grad.meta.get("val")
         grad_readers = readers.get(storage_key(grad_val), []) if isinstance(grad_val, torch.Tensor) else []
         anchor = max([grad] + [r for r in [*later, *grad_readers] if r in position], key=position.__getitem__)
-        read_before = sorted({r for r in later if r in backward and _pointwise(r)}, key=position.__getitem__)
+        key = storage_key(val) if isinstance(val, torch.Tensor) else None
+        read_before = sorted({r for r in later if r in backward and _result_of_its_own(r, key)},
+                             key=position.__getitem__)
         with graph.inserting_after(anchor):
             marker = graph.call_function(hand_over, (grad, param, *read_before))
         marker.meta = {k: v for k, v in grad.meta.items() if k in ("val", "tensor_meta")}
@@ -135,11 +138,14 @@ def _downstream_of_tangents(nodes: list[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def _pointwise(node: fx.Node) -> bool:
-    """A single-tensor pointwise op (Inductor may compute it inside a later kernel that reads it)."""
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.pointwise in target.tags and isinstance(node.meta.get("val"), torch.Tensor))
+def _result_of_its_own(node: fx.Node, key: Any) -> bool:
+    """Whether ``node`` makes one tensor that is not a view of storage ``key``: a result computed from the
+    parameter (pointwise ops, casts, gathers, concatenations are all computed inside their readers' kernels
+    by Inductor), not another name for it."""
+    from karma_fx.passes.liveness import storage_key
+
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and storage_key(val) != key
 
 
 def split(joint: fx.GraphModule, num_fwd_outputs: int, forced_forward: set[str]) -> tuple[fx.GraphModule, fx.GraphModule]:
