@@ -209,7 +209,7 @@ both off, every buffer is freed after its last reader, and a source being copied
 has waited for its copy (``karma_fx.runtime`` holds it), as the plan counts it."""
 
 
-def _offloads(graph: fx.GraphModule) -> bool:
+def _keeps_buffers_after_calls(graph: fx.GraphModule) -> bool:
     """Whether the graph swaps tensors out, or hands gradients to the gradient pipeline
     (``karma::gradient_ready``): the pipeline keeps a gradient after the call (a bucket, an all-reduce in
     flight), so no later kernel may write its buffer (a bias's gradient the backward read on was overwritten
@@ -243,7 +243,7 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Cal
         planned = moves()
         # a plan that moves nothing is Inductor's own step, compiled with Inductor's own settings
         settings = {**PLAN_SAFE_CONFIG, **PLANNED_CONFIG} if planned else {}
-        settings.update(COPY_SAFE_CONFIG if _offloads(graph) else {})
+        settings.update(COPY_SAFE_CONFIG if _keeps_buffers_after_calls(graph) else {})
         order = V.set_choices_handler(PlanOrder(V.choices)) if planned else contextlib.nullcontext()
         with torch._inductor.config.patch(settings), order:
             code = compile_fx_inner(graph, inputs, **kwargs)

@@ -101,7 +101,10 @@ def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outp
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             readers.setdefault(storage_key(val), []).extend(u for u in node.users if u.op != "output")
-    backward = _downstream_of_tangents(nodes)
+    # what the split puts in the forward graph; everything else of the joint graph runs in the backward
+    # (recomputes too, which read no tangent)
+    forward = _forward_nodes(CapturedStep(joint=joint, primal_kinds=(), primal_names=(),
+                                          num_fwd_outputs=num_fwd_outputs, output_names=()))
     changed = False
     for slot, kind in enumerate(primal_kinds):
         at = num_fwd_outputs + slot
@@ -114,7 +117,7 @@ def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outp
         grad_readers = readers.get(storage_key(grad_val), []) if isinstance(grad_val, torch.Tensor) else []
         anchor = max([grad] + [r for r in [*later, *grad_readers] if r in position], key=position.__getitem__)
         key = storage_key(val) if isinstance(val, torch.Tensor) else None
-        read_before = sorted({r for r in later if r in backward and _result_of_its_own(r, key)},
+        read_before = sorted({r for r in later if r not in forward and _result_of_its_own(r, key)},
                              key=position.__getitem__)
         with graph.inserting_after(anchor):
             marker = graph.call_function(hand_over, (grad, param, *read_before))
@@ -126,16 +129,6 @@ def hand_over_gradients(joint: fx.GraphModule, primal_kinds: tuple, num_fwd_outp
         output.args = (type(output.args[0])(outs),)
         graph.lint()
         joint.recompile()
-
-
-def _downstream_of_tangents(nodes: list[fx.Node]) -> set[fx.Node]:
-    """The nodes of a joint graph that depend on a tangent: its backward."""
-    out: set[fx.Node] = set()
-    for node in nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-                a in out for a in node.all_input_nodes):
-            out.add(node)
-    return out
 
 
 def _result_of_its_own(node: fx.Node, key: Any) -> bool:
