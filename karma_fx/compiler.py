@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
 
 from karma_fx.backend import KarmaBackend
 from karma_fx.session import Session, parameters_and_buffers
@@ -168,8 +169,6 @@ class KarmaModule(nn.Module):
 
     # ---- the call ----------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
-
         session = self._session
         params, buffers, devices = self._weights(session)
         _check_runnable(devices, args, kwargs)

@@ -101,6 +101,8 @@ class Session:
         """Storage pointer -> bytes of the weights, buffers and gradients held, this step and before."""
         self._storage_of: dict[int, tuple[Any, int, int]] = {}
         """id of a weight -> (a weak reference to it, its storage pointer, bytes)."""
+        self._grad_storage: dict[int, tuple[Any, int, int]] = {}
+        """id of a held gradient -> (a weak reference to it, its storage pointer, bytes)."""
         self._region_weights_cache: dict[tuple, _RegionWeights] = {}
         self._params_added = 0
         self._seen_weights_cache: tuple[tuple[int, int], tuple[list[Any], list[Any]]] | None = None
@@ -154,12 +156,18 @@ class Session:
         self._weights = dict(self._weights_of(tensors))
         held_before, held = self._held_grads, set()
         self._held_grads = held
+        weights, grad_storage = self._weights, self._grad_storage
         for p in tensors[0]:  # their gradients, held from an earlier micro-batch or not
             grad = p.grad
             if grad is not None:
                 held.add(id(p))
-                pointer, nbytes = storage_of(grad)
-                self._weights[pointer] = nbytes
+                # an accumulated gradient is the same tensor from step to step: its storage read once
+                known = grad_storage.get(id(grad))
+                if known is None or known[0]() is not grad:
+                    known = grad_storage[id(grad)] = (weakref.ref(grad), *storage_of(grad))
+                weights[known[1]] = known[2]
+        if len(grad_storage) > 2 * len(held) + 64:  # forget gradients gone (set to None, replaced)
+            self._grad_storage = {k: v for k, v in grad_storage.items() if v[0]() is not None}
         self._device_baseline = _allocated_on(tensors[0])
         # A step that holds other gradients than the last (the first micro-batch of an accumulation, or the
         # step after one that left its gradients) chooses its plans again rather than repeat the last step's:
@@ -318,7 +326,7 @@ class Session:
         region.budget_bytes = self.budget_bytes or 0
         view = self._pending_view
         assert view is not None
-        self._calls.append(_Call(region, variant, replace(view, fp=variant.fp)))
+        self._calls.append(_Call(region, variant, view if view.fp is variant.fp else replace(view, fp=variant.fp)))
         if self.pipeline is not None and variant.grad_params:
             self.pipeline.expect([args[i] for i in variant.grad_params])
         k = len(self._calls) - 1
@@ -336,6 +344,7 @@ class Session:
         was cached of the weights may be stale."""
         self.compiles += 1
         self._storage_of.clear()
+        self._grad_storage.clear()
 
     def ran_training_region(self) -> bool:
         return bool(self._calls)
