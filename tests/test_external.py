@@ -12,6 +12,8 @@ from karma_fx.errors import KarmaError
 from karma_fx.external import (GraphFormatError, from_node_link, graph_costs, prepare_graph, random_layered_graph,
                                read_node_link)
 from karma_fx.plan import Offload, Recompute
+from karma_fx.strategies.cpsat.options import SolverOptions
+from karma_fx.strategies.cpsat.planner import CpSat
 from karma_fx.problem import Op, Problem, Storage
 from karma_fx.simulate import simulate
 from karma_fx.strategies import HEURISTICS, make_strategy
@@ -260,3 +262,29 @@ def test_five_node_graph_cpsat_recomputes_within_budget():
     plan = prepared.plan(0.9, "cpsat").plan
     assert plan.fits and not any(isinstance(d, Offload) for d in plan.decisions)
     assert set(HEURISTICS) >= {"checkpoint", "greedy", "karma"}
+
+
+def test_a_graph_in_small_units_plans_as_the_same_graph_in_bytes():
+    """The solver's thresholds are relative to the graph: the same graph written in MiB (sizes 1 to 64) and in
+    bytes gets the same candidates and the same plan. With a fixed 64 KiB unit the graph in MiB had no tensor
+    large enough for the solver and got greedy's plan (5102 against 5097 µs). The saved-activation solver is
+    asked alone (general rematerialization, which wins on this graph, aside) and always run."""
+    in_bytes = random_layered_graph(60, 3)
+    in_mib = copy.deepcopy(in_bytes)
+    for node in in_mib["nodes"]:
+        node["cost_ram"] //= 2 ** 20
+    plans, peaks = [], []
+    for graph in (in_bytes, in_mib):
+        prepared = prepare_graph(graph)
+        solver = CpSat(fallbacks=tuple(make_strategy(k) for k in ("checkpoint", "greedy", "karma")),
+                       options=SolverOptions(time_limit_s=10, good_enough_gap=0))
+        plan = solver(prepared.problem, prepared.costs, int(0.8 * prepared.unplanned_peak_bytes))
+        timeline = simulate(prepared.problem, plan.decisions, prepared.costs)
+        assert timeline.peak_bytes <= plan.budget_bytes
+        plans.append(plan)
+        peaks.append(timeline.peak_bytes)
+    counts = [[n for n in p.notes if "large enough for the solver" in n] for p in plans]
+    assert counts[0] == counts[1] == ["30 tensors large enough for the solver to decide on"]
+    assert plans[0].status == plans[1].status == "OPTIMAL"
+    assert plans[0].decisions == plans[1].decisions
+    assert peaks[0] == peaks[1] * 2 ** 20

@@ -30,7 +30,7 @@ def spread_evenly(points: list[int], count: int) -> list[int]:
 
 def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int],
                    cands: list[Candidate], *, time_limit_s: float, workers: int, seed: int,
-                   sync_points: int = 24, unit: int = 64 * 1024,
+                   sync_points: int = 24, unit: int = 1,
                    gap_us: float = 0.0) -> tuple[dict[str, Choice], float, str] | None:
     """Decisions minimising recompute time, copy-induced stalls and the copy ops' compute time
     (``Costs.copy_issue_us``) under the capacity model, the model's lower bound on the step time (µs), and the

@@ -13,7 +13,7 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.strategies.cpsat.choice import KEEP, RECOMPUTE, Choice, Kind
-from karma_fx.strategies.cpsat.model import (MEMORY_UNIT, TIME_SCALE, Candidate, add_decisions_and_memory,
+from karma_fx.strategies.cpsat.model import (TIME_SCALE, Candidate, add_decisions_and_memory,
                                              chain_time, decisions_from, deterministic_solver, present_by)
 from karma_fx.strategies.cpsat.segments import Segment, early_readers, early_reads, prefetch_slots, segments_of
 from karma_fx.strategies.cpsat.options import SolverOptions
@@ -27,7 +27,7 @@ class Model:
     """The CP-SAT model over ``cands``; decisions can be hinted, timed when fixed, and read back."""
 
     def __init__(self, problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int],
-                 cands: list[Candidate], unit: int = MEMORY_UNIT, *, floor_us: float = 0.0,
+                 cands: list[Candidate], unit: int, *, floor_us: float = 0.0,
                  pinned: Mapping[str, Choice] | None = None,
                  fixed_chains_us: Mapping[int, float] | None = None) -> None:
         """``floor_us``: a step time no plan of the model can beat (a lower bound proven elsewhere). The model

@@ -6,7 +6,6 @@ import numbers
 from dataclasses import dataclass, fields
 
 from karma_fx.errors import KarmaError
-from karma_fx.strategies.cpsat.model import MEMORY_UNIT
 
 INT32_MAX = 2 ** 31 - 1
 """CP-SAT's ``random_seed`` is a 32-bit integer."""
@@ -34,8 +33,12 @@ class SolverOptions:
     2.8 s, exact pass 2.4 s, `bench/plan_speed.py`), above the 5 s a tiny model may take; at 0.15 it takes
     4.5 s, its plan 5.3% over the bound instead of 3.3%. Graphs of 134 candidates or more keep the full
     ``time_limit_s``."""
-    memory_unit_bytes: int = MEMORY_UNIT
-    """Granularity of the memory constraints; candidates smaller than this stay on the device."""
+    memory_unit_bytes: int | None = None
+    """Granularity of the memory constraints, in bytes; candidates smaller than this stay on the device.
+    ``None``: relative to the graph's unplanned peak, 2^-17 of it for the unit and 2^-12 for the candidates
+    (``model.memory_unit``, ``model.candidate_bytes``), so that a graph in small units is planned as the same
+    graph in bytes. It was a fixed 64 KiB: the saved tensors of every tiny zoo model were smaller, and the
+    solver left all of them to the heuristics."""
     good_enough_gap: float = 0.01
     """Skip the CP-SAT models when the best heuristic is proven within this fraction of the LP bound, and stop
     the exact model's search once its incumbent is that close to the bound (the LP bound or its own)."""
@@ -75,6 +78,8 @@ class SolverOptions:
             object.__setattr__(self, name, float(value))
         for name, (low, high) in _INT_RANGES.items():
             value = getattr(self, name)
+            if value is None and name in _MAY_BE_NONE:
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
                 bounds = f"at least {low}" + (f" and at most {high}" if high != math.inf else "")
                 raise KarmaError(f"SolverOptions.{name} must be an integer {bounds}, got {value!r}")
@@ -110,5 +115,6 @@ _INT_RANGES: dict[str, tuple[int, float]] = {
     "max_window_ops": (0, math.inf),
 }
 """Integer fields: (lowest, highest)."""
+_MAY_BE_NONE = {"memory_unit_bytes"}
 assert set(_FLOAT_RANGES) | set(_INT_RANGES) == {f.name for f in fields(SolverOptions)}, \
     "every SolverOptions field needs a range here"

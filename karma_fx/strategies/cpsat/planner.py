@@ -37,7 +37,7 @@ from karma_fx.strategies.cpsat.bound import lower_bound_us
 from karma_fx.strategies.cpsat.capacity import solve_capacity
 from karma_fx.strategies.cpsat.descent import descend
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, in_prefetch_order, leanest_choices
-from karma_fx.strategies.cpsat.model import Candidate, candidates
+from karma_fx.strategies.cpsat.model import Candidate, candidate_bytes, candidates, memory_unit
 from karma_fx.strategies.cpsat.options import SolverOptions
 from karma_fx.strategies.cpsat.repeat import plan_by_blocks
 from karma_fx.strategies.cpsat.segments import attach_plan_choices
@@ -146,6 +146,12 @@ class CpSat:
                         lower_bound_us=keep.makespan_us, notes=("everything fits: nothing moves",))
         base = [b for _, b in keep.memory]
         opts = self.options
+        # relative to this graph: every model below counts in this unit, and decides on tensors from this size
+        smallest = candidate_bytes(keep.peak_bytes) if opts.memory_unit_bytes is None else opts.memory_unit_bytes
+        if opts.memory_unit_bytes is None:
+            opts = replace(opts, memory_unit_bytes=memory_unit(keep.peak_bytes))
+        unit = opts.memory_unit_bytes
+        assert unit is not None
         notes: list[str] = []
         stopped: list[str] = []
 
@@ -204,7 +210,7 @@ class CpSat:
         if best is not None and proven is not None and best[0] <= proven * (1 + opts.good_enough_gap):
             return fallback(f"{best[1].strategy}'s plan is within {best[0] / proven - 1:.2%} of the lower bound, so "
                             "the solver was not run")
-        cands = candidates(problem, min_bytes=opts.memory_unit_bytes)
+        cands = candidates(problem, min_bytes=smallest)
         notes.append(f"{len(cands)} tensors large enough for the solver to decide on")
         landed = copies_landed(problem, costs, best[1].decisions) if best is not None else {}
         if best is not None:  # the best heuristic's own choices become the models', so its plan is a start
@@ -218,7 +224,7 @@ class CpSat:
             cands = []
         good_enough_us = None if proven is None else proven * (1 + opts.good_enough_gap)
         if cands and not out_of_time():
-            best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, landed, proven, notes, say)
+            best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, landed, proven, notes, say, unit)
         if best is None:  # no heuristic fits: the leanest plan is the last resort, and the floor quoted to users
             leanest = leanest_decisions(problem, costs)
             if figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
@@ -251,7 +257,7 @@ class CpSat:
         if (len(problem.ops) <= opts.max_window_ops and not one_window
                 and (good_enough_us is None or best[0] > good_enough_us) and not out_of_time()):
             window_opts = SolverOptions(opts.time_limit_s / 4, opts.workers, opts.seed,
-                                        memory_unit_bytes=opts.memory_unit_bytes)
+                                        memory_unit_bytes=unit)
             say("solver windows", self.name)
             refined, window_notes = refine_in_windows(problem, costs, budget_bytes, best[1].decisions, best[0],
                                                       all_cands, size=opts.window_size,
@@ -270,10 +276,10 @@ class CpSat:
 
     def _solve_whole(self, problem: Problem, costs: Costs, budget_bytes: int, base: list[int], cands: list[Candidate],
                      best: tuple[float, Plan, int] | None, landed: dict[str, int], proven: float | None,
-                     notes: list[str], say) -> tuple[float, Plan, int] | None:
+                     notes: list[str], say, unit: int) -> tuple[float, Plan, int] | None:
         """The whole-graph models: the all-linear capacity model picks decisions among the candidates' options,
         then the exact FIFO model times them and polishes from the best start it is given (``landed``: where
-        the copies out of ``best``'s plan have landed). Returns the new best (simulated time, plan, peak): the
+        the copies out of ``best``'s plan have landed), memory counted in ``unit`` bytes. Returns the new best (simulated time, plan, peak): the
         solver's plan if the simulator says it fits and is no slower."""
         opts = self.options
         effort_s = opts.effort_s(len(cands))
@@ -281,7 +287,7 @@ class CpSat:
         gap_us = opts.good_enough_gap * (proven if proven is not None else problem_compute_us(costs))
         phase1 = solve_capacity(problem, costs, budget_bytes, base, cands,
                                 time_limit_s=min(effort_s, max(progress.seconds_left() / 4, 0.01)),
-                                workers=opts.workers, seed=opts.seed, unit=opts.memory_unit_bytes,
+                                workers=opts.workers, seed=opts.seed, unit=unit,
                                 gap_us=gap_us * opts.capacity_gap_share)
         if phase1 is not None:
             notes.append(f"solver, memory-only pass: {phase1[2].lower()} (at best {phase1[1] / 1e3:.3f} ms with "
@@ -289,7 +295,7 @@ class CpSat:
         if progress.past_deadline():
             return best
         say("solver, exact pass", self.name)
-        model = Model(problem, costs, budget_bytes, base, cands, opts.memory_unit_bytes, floor_us=proven or 0.0)
+        model = Model(problem, costs, budget_bytes, base, cands, unit, floor_us=proven or 0.0)
         starts = ([in_prefetch_order(cands, phase1[0])] if phase1 else []) \
             + ([choices_from_plan(problem, cands, best[1], allow_offload=costs.allow_offload,
                                   landed=landed)] if best else [])
@@ -320,7 +326,7 @@ class CpSat:
         notes.append(f"solver, exact pass: {quality} among the points it considers, predicted "
                      f"{(predicted or objective) / 1e3:.3f} ms, simulated {tl.makespan_us / 1e3:.3f} ms")
         if status == "OPTIMAL" and not _at_bound(tl.makespan_us, proven):
-            notes.append(_restricted_optimum_note(len(cands), opts.memory_unit_bytes, tl.makespan_us, proven))
+            notes.append(_restricted_optimum_note(len(cands), unit, tl.makespan_us, proven))
         if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
             solved = Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
                           status="OPTIMAL" if _at_bound(tl.makespan_us, proven) else status,
