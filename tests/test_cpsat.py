@@ -295,8 +295,6 @@ def _check_timed_as_cp_sat(prep, cands, choices: dict, budget: int) -> None:
 
     from karma_fx.strategies.cpsat import Model
     from karma_fx.strategies.cpsat.exact import in_prefetch_order
-    from karma_fx.strategies.cpsat.model import TIME_SCALE
-
     base = [b for _, b in prep.keep.memory]
     model = Model(prep.problem, prep.costs, budget, base, cands, unit=1, floor_us=1.0)
     for trial in (choices, in_prefetch_order(cands, choices)):
@@ -311,7 +309,7 @@ def _check_timed_as_cp_sat(prep, cands, choices: dict, budget: int) -> None:
             assert status == cp_model.INFEASIBLE
             continue
         assert status == cp_model.OPTIMAL
-        assert t == pytest.approx(solver.Value(model.makespan) / TIME_SCALE)
+        assert t == pytest.approx(solver.Value(model.makespan) / model.scale)
         pinned = model.m.Clone()
         for var, value in hint:
             pinned.Add(pinned.GetIntVarFromProtoIndex(var.Index()) == value)

@@ -264,27 +264,41 @@ def test_five_node_graph_cpsat_recomputes_within_budget():
     assert set(HEURISTICS) >= {"checkpoint", "greedy", "karma"}
 
 
+def _saved_activation_plan(graph: dict, fraction: float):
+    """cpsat's plan of saved activations alone (general rematerialization, which wins on these graphs, aside),
+    its solver always run, checked in the simulator: (plan, simulated step µs, simulated peak)."""
+    prepared = prepare_graph(graph)
+    solver = CpSat(fallbacks=tuple(make_strategy(k) for k in ("checkpoint", "greedy", "karma")),
+                   options=SolverOptions(time_limit_s=10, good_enough_gap=0))
+    plan = solver(prepared.problem, prepared.costs, int(fraction * prepared.unplanned_peak_bytes))
+    timeline = simulate(prepared.problem, plan.decisions, prepared.costs)
+    assert timeline.peak_bytes <= plan.budget_bytes
+    return plan, timeline.makespan_us, timeline.peak_bytes
+
+
 def test_a_graph_in_small_units_plans_as_the_same_graph_in_bytes():
-    """The solver's thresholds are relative to the graph: the same graph written in MiB (sizes 1 to 64) and in
-    bytes gets the same candidates and the same plan. With a fixed 64 KiB unit the graph in MiB had no tensor
-    large enough for the solver and got greedy's plan (5102 against 5097 µs). The saved-activation solver is
-    asked alone (general rematerialization, which wins on this graph, aside) and always run."""
+    """The solver's memory thresholds are relative to the graph: the same graph written in MiB (sizes 1 to 64)
+    and in bytes gets the same candidates and the same plan. With a fixed 64 KiB unit the graph in MiB had no
+    tensor large enough for the solver and got greedy's plan (5102 against 5097 µs)."""
     in_bytes = random_layered_graph(60, 3)
     in_mib = copy.deepcopy(in_bytes)
     for node in in_mib["nodes"]:
         node["cost_ram"] //= 2 ** 20
-    plans, peaks = [], []
-    for graph in (in_bytes, in_mib):
-        prepared = prepare_graph(graph)
-        solver = CpSat(fallbacks=tuple(make_strategy(k) for k in ("checkpoint", "greedy", "karma")),
-                       options=SolverOptions(time_limit_s=10, good_enough_gap=0))
-        plan = solver(prepared.problem, prepared.costs, int(0.8 * prepared.unplanned_peak_bytes))
-        timeline = simulate(prepared.problem, plan.decisions, prepared.costs)
-        assert timeline.peak_bytes <= plan.budget_bytes
-        plans.append(plan)
-        peaks.append(timeline.peak_bytes)
-    counts = [[n for n in p.notes if "large enough for the solver" in n] for p in plans]
+    (a, _, peak_a), (b, _, peak_b) = _saved_activation_plan(in_bytes, 0.8), _saved_activation_plan(in_mib, 0.8)
+    counts = [[n for n in p.notes if "large enough for the solver" in n] for p in (a, b)]
     assert counts[0] == counts[1] == ["30 tensors large enough for the solver to decide on"]
-    assert plans[0].status == plans[1].status == "OPTIMAL"
-    assert plans[0].decisions == plans[1].decisions
-    assert peaks[0] == peaks[1] * 2 ** 20
+    assert a.status == b.status == "OPTIMAL"
+    assert a.decisions == b.decisions and peak_a == peak_b * 2 ** 20
+
+
+def test_a_graph_timed_in_small_units_plans_as_the_same_graph_in_microseconds():
+    """The solver's time units are relative to the step: the same graph with every duration a thousandth gets
+    the same plan, a thousandth as long. At a fixed 0.1 µs its ops took 0 to 2 units, and its plan was greedy's
+    (5.229 against 5.204)."""
+    in_us = random_layered_graph(60, 3)
+    in_ms = copy.deepcopy(in_us)
+    for node in in_ms["nodes"]:
+        node["cost_cpu"] /= 1000
+    (a, step_a, _), (b, step_b, _) = _saved_activation_plan(in_us, 0.7), _saved_activation_plan(in_ms, 0.7)
+    assert a.status == b.status == "OPTIMAL"
+    assert a.decisions == b.decisions and step_b * 1000 == pytest.approx(step_a, rel=1e-9)

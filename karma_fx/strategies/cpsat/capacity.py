@@ -15,8 +15,8 @@ from typing import Sequence
 from karma_fx.costs import Costs
 from karma_fx.problem import Problem
 from karma_fx.strategies.cpsat.choice import Choice
-from karma_fx.strategies.cpsat.model import (TIME_SCALE, Candidate, add_decisions_and_memory, chain_time,
-                                             deterministic_solver)
+from karma_fx.strategies.cpsat.model import (Candidate, add_decisions_and_memory, chain_time,
+                                             deterministic_solver, time_scale)
 from karma_fx.strategies.cpsat.segments import segments_of
 
 
@@ -45,7 +45,8 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
 
     n, nf = len(problem.ops), problem.num_fwd_ops
     m = cp_model.CpModel()
-    t = lambda us: int(round(us * TIME_SCALE))  # noqa: E731
+    scale = time_scale(costs)
+    t = lambda us: int(round(us * scale))  # noqa: E731
     dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit,
                                   allow_offload=costs.allow_offload)
     rec, rel, pre = dv.rec, dv.rel, dv.pre
@@ -96,11 +97,11 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     m.Minimize(total_rec + issue + stall[sync[-1]])
 
     solver = deterministic_solver(time_limit_s, workers, seed)
-    solver.parameters.absolute_gap_limit = max(0.0, gap_us * TIME_SCALE)
+    solver.parameters.absolute_gap_limit = max(0.0, gap_us * scale)
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     choices = dv.read(cands, solver.Value)
-    bound_us = (prefix[-1] + solver.BestObjectiveBound()) / TIME_SCALE
+    bound_us = (prefix[-1] + solver.BestObjectiveBound()) / scale
     closed = status == cp_model.OPTIMAL and solver.ObjectiveValue() <= solver.BestObjectiveBound() + 0.5
     return choices, bound_us, "OPTIMAL" if closed else "FEASIBLE"

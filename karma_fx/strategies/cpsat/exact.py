@@ -13,14 +13,10 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Decision, Offload, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.strategies.cpsat.choice import KEEP, RECOMPUTE, Choice, Kind
-from karma_fx.strategies.cpsat.model import (TIME_SCALE, Candidate, add_decisions_and_memory,
+from karma_fx.strategies.cpsat.model import (Candidate, add_decisions_and_memory, time_scale,
                                              chain_time, decisions_from, deterministic_solver, present_by)
 from karma_fx.strategies.cpsat.segments import Segment, early_readers, early_reads, prefetch_slots, segments_of
 from karma_fx.strategies.cpsat.options import SolverOptions
-
-
-def _t(us: float) -> int:
-    return int(round(us * TIME_SCALE))
 
 
 class Model:
@@ -54,6 +50,11 @@ class Model:
             v = m.NewIntVar(lo, hi, name)
             self.all_vars.append(v)
             return v
+
+        scale = self.scale = time_scale(costs)
+
+        def _t(us: float) -> int:
+            return int(round(us * scale))
 
         dur = [_t(x) for x in costs.op_time_us]
         fixed = {i: _t(us) for i, us in (fixed_chains_us or {}).items() if _t(us) > 0}
@@ -144,7 +145,7 @@ class Model:
             self._times.in_order.append((c, at, group, h, pos, act))
         self.makespan = int_var(0, horizon, "makespan")
         m.AddMaxEquality(self.makespan, [T[n]] + [v for v in (last_d2h, prev) if v is not None])
-        self.floor = min(horizon, max(0, int(math.floor(floor_us * TIME_SCALE))))
+        self.floor = min(horizon, max(0, int(math.floor(floor_us * self.scale))))
         self.objective = int_var(self.floor, horizon, "objective")
         m.AddMaxEquality(self.objective, [self.makespan, m.NewConstant(self.floor)])
         m.Minimize(self.objective)
@@ -201,7 +202,7 @@ class Model:
         assignment += [(v, 1 if i in true else 0) for v, i in self._literals]
         assignment += memory
         assignment += [(self.makespan, makespan), (self.objective, max(makespan, self.floor))]
-        return makespan / TIME_SCALE, assignment
+        return makespan / self.scale, assignment
 
     def solve(self, options: SolverOptions, hint: list | None, *,
               gap_us: float = 0.0) -> tuple[str, dict[str, Choice], float, float] | None:
@@ -215,15 +216,15 @@ class Model:
         for var, value in hint or ():
             self.m.AddHint(var, value)
         solver = self._solver(options, options.time_limit_s)
-        solver.parameters.absolute_gap_limit = max(0.0, gap_us * TIME_SCALE)
+        solver.parameters.absolute_gap_limit = max(0.0, gap_us * self.scale)
         status = solver.Solve(self.m)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
         makespan = solver.Value(self.makespan)
         proven = (status == cp_model.OPTIMAL and solver.ObjectiveValue() <= solver.BestObjectiveBound() + 0.5
                   and makespan > self.floor)
-        return ("OPTIMAL" if proven else "FEASIBLE", self.read(solver), makespan / TIME_SCALE,
-                solver.BestObjectiveBound() / TIME_SCALE)
+        return ("OPTIMAL" if proven else "FEASIBLE", self.read(solver), makespan / self.scale,
+                solver.BestObjectiveBound() / self.scale)
 
 
 def choices_from_plan(problem: Problem, cands: list[Candidate], plan: Plan, *, allow_offload: bool = True,

@@ -22,9 +22,8 @@ from ortools.sat.python import cp_model
 
 from karma_fx.costs import Costs
 from karma_fx.problem import Problem
+from karma_fx.strategies.cpsat.model import time_scale
 
-TIME_SCALE = 10
-"""Recompute time in integers of 0.1 µs (or of a tenth of the graph's time unit)."""
 
 
 def solve_gaps(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequence[int], gaps: Sequence,
@@ -89,7 +88,8 @@ def solve_gaps(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Se
         if t in rebuilt_before:  # the rebuilds before op t: its output not yet made, inputs kept for them
             held_here = [size * var for _, size, var in kept_at.get(t, ())]
             model.Add(base_bytes[t] - out_bytes[t] - sum(dropped) + sum(held_here) <= budget_bytes)
-    work = [int(round(costs.op_time_us[problem.storage(g.tensor).producer] * TIME_SCALE)) for g in gaps]
+    scale = time_scale(costs)  # recompute time in integer units, at least 0.1 µs
+    work = [int(round(costs.op_time_us[problem.storage(g.tensor).producer] * scale)) for g in gaps]
     model.Minimize(sum(w * v for w, v in zip(work, x)))
     chosen = set(hint)
     for k, v in enumerate(x):

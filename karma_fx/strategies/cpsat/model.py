@@ -45,7 +45,18 @@ models (all under 64 KiB) and of a graph written in small abstract units. At 2^-
 offered 77 tensors instead of 39 and planned in 12-25 s instead of 3-7 s (H100 preset, 0.9 to 0.7 of its
 peak, no time limit), its plans worse at two of the three budgets: the models' time went on tensors that
 could not matter."""
-TIME_SCALE = 10  # model time unit: 0.1 µs
+TIME_SCALE = 10
+"""The models count time in units of 0.1 µs at least, and finer on a short step (``time_scale``)."""
+TIME_UNITS_PER_STEP = 2 ** 14
+"""...so that the step's compute spans at least this many units: a step of 1.6 ms or more keeps 0.1 µs units,
+a tiny model on the H100 preset (130 to 630 µs) gets 2.6 to 12 times finer ones, and a graph timed in small
+abstract units is not rounded to nothing (at 0.1 µs, ops of 0.04 units all took no time)."""
+
+
+def time_scale(costs: Costs) -> float:
+    """Model time units per µs for a graph of these costs (``TIME_UNITS_PER_STEP``)."""
+    compute_us = sum(t for t in costs.op_time_us if t > 0)
+    return max(float(TIME_SCALE), TIME_UNITS_PER_STEP / compute_us) if compute_us > 0 else float(TIME_SCALE)
 
 
 def memory_unit(unplanned_peak_bytes: int) -> int:
