@@ -137,3 +137,9 @@ def test_weight_streaming_benches_smoke(capsys, name, argv, words):
     assert load(name).main(argv) == 0
     out = capsys.readouterr().out
     assert all(w in out for w in words), out
+
+
+def test_host_work_smoke(capsys):
+    assert load("host_work").main(["--models", "params", "--doors", "eager", "--rounds", "1", "--calls", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "karma_fx.compile, eager" in out and "torch.compile, aot_eager" in out and "params" in out
