@@ -78,23 +78,32 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             readers = backward_readers(d.tensor)
             if not readers:
                 continue
+            # A tensor the backward makes leaves the device before its first read (a gradient piece the
+            # backward adds up at its end): its copy out runs in the backward, and every reader reads it back.
+            made_in_backward = source not in forward
+            if made_in_backward and d.free_after != problem.ops[problem.storage(d.tensor).producer].name:
+                raise InvalidPlanError(f"{d.tensor} is made by the backward: it can leave the device only between "
+                                       f"its production and its first read, not after {d.free_after}")
+            phase = "backward" if made_in_backward else "forward"
             # After the producing op, or after the getitem that unpacks it when the op returns a tuple.
             order = {n: i for i, n in enumerate(graph.nodes)}
             after = max(nodes[d.offload_after], source, key=order.__getitem__)
             with graph.inserting_after(after):
                 host = graph.call_function(torch.ops.karma.offload.default, (source,))
-            forward_offloads.add(host.name)
+            if not made_in_backward:
+                forward_offloads.add(host.name)
             saved = host
             if d.release_before is not None:  # the swap-out must have landed here: its bytes are free after;
                 with graph.inserting_before(nodes[d.release_before]):  # the prefetch reads the waited copy,
                     saved = graph.call_function(torch.ops.karma.wait.default, (host,))  # so the wait stays
-                _copy_meta(saved, source, "forward", device=torch.device("cpu"))
-                forward_offloads.add(saved.name)
+                _copy_meta(saved, source, phase, device=torch.device("cpu"))
+                if not made_in_backward:
+                    forward_offloads.add(saved.name)
             with graph.inserting_before(nodes[d.prefetch_at]):
                 fetched = graph.call_function(torch.ops.karma.prefetch.default, (saved, _device_of(source)))
             with graph.inserting_before(first_in_graph(readers + [nodes[d.reload_before]])):
                 ready = graph.call_function(torch.ops.karma.wait.default, (fetched,))
-            _copy_meta(host, source, "forward", device=torch.device("cpu"))
+            _copy_meta(host, source, phase, device=torch.device("cpu"))
             _copy_meta(fetched, source, "backward")
             _copy_meta(ready, source, "backward")
             _redirect(graph, readers, {source: ready}, op_names)
