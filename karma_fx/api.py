@@ -22,7 +22,7 @@ from karma_fx.plan import Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline, simulate, wait_where_copies_land
 from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
-from karma_fx.strategies.leanest import leanest_peak, leanest_plan_parts
+from karma_fx.strategies.leanest import LEANEST_SWAPS, leanest_peak, leanest_plan_parts
 
 WEIGHTS_SOLVER_S = 10.0
 """Seconds the exact solver gets, by default, for each plan of the activations around streamed weights."""
@@ -143,7 +143,7 @@ class Prepared:
         if raise_if_infeasible and not plan.fits:
             floor = (leanest_peak(self.problem, self.costs, stream_weights=True) if offload_weights
                      else self.min_peak_bytes())
-            how = ("every saved activation swapped out and back just in time"
+            how = (LEANEST_SWAPS
                    + (", convolutions run a piece of the batch at a time"
                       if not offload_weights and self._floor_splits() else "")
                    + ", which strategy='cpsat' reaches"
@@ -193,8 +193,8 @@ class Prepared:
             raise InfeasibleBudgetError(
                 f"{self.problem.name} does not fit in {format_bytes(budget_bytes)}, its loss head whole or chunked "
                 f"({chunks} tokens at a time): the smallest budget known to work is {format_bytes(floor)} "
-                f"({floor} bytes: every saved activation swapped out and back just in time, which strategy='cpsat' "
-                f"can reach); the unplanned peak is {format_bytes(self.unplanned_peak_bytes)}.",
+                f"({floor} bytes: {LEANEST_SWAPS}, which strategy='cpsat' can reach); the unplanned peak is "
+                f"{format_bytes(self.unplanned_peak_bytes)}.",
                 min_budget_bytes=floor, budget_bytes=budget_bytes)
         else:
             best = min(options, key=lambda p: p.plan.peak_bytes or 0)

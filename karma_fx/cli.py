@@ -504,6 +504,7 @@ def _split(text: str, what: str) -> list[str]:
 def cmd_compare(args: argparse.Namespace) -> int:
     """``karma-fx compare``: capture once, plan every strategy at every budget, print the grid."""
     from karma_fx.report import compare_table
+    from karma_fx.strategies.leanest import LEANEST_SWAPS
     from karma_fx.strategies import STRATEGY_NAMES
 
     _check_model(args)
@@ -541,7 +542,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print()
     print(f"unplanned peak     {format_bytes(prepared.unplanned_peak_bytes)}")
     print(f"unlimited step     {keep.makespan_us / 1e3:,.3f} ms")
-    how = ("every saved activation swapped out and back just in time" if prepared.costs.allow_offload
+    how = (LEANEST_SWAPS if prepared.costs.allow_offload
            else "the leanest recompute-only plan known")
     print(f"smallest peak      {format_bytes(prepared.min_peak_bytes())} ({how}: the smallest budget known to work)")
     if not args.quiet:

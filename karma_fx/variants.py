@@ -178,13 +178,13 @@ def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) 
 
 def leanest_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) -> Variant:
     """The leanest plan known (``karma_fx.strategies.leanest``): the floor every refusal names."""
-    from karma_fx.strategies.leanest import leanest_plan_parts
+    from karma_fx.strategies.leanest import LEANEST_SWAPS, leanest_plan_parts
 
     p = region.prepared
     decisions, splits = leanest_plan_parts(p.problem, p.costs, stream_weights=config.offload_weights)
     return judged(region, Plan(_strategy_name(config, "leanest"), 0, decisions=decisions, splits=splits,
                                status="FALLBACK:leanest",
-                               notes=("the leanest plan: every saved activation swapped out and back just in time"
+                               notes=(f"the leanest plan: {LEANEST_SWAPS}"
                                       + (", convolutions run a piece of the batch at a time" if splits else ""),)),
                   config, budget_bytes)
 

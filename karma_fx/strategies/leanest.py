@@ -28,6 +28,10 @@ from karma_fx.strategies.weights import weight_streams
 from karma_fx.wire import host_casts
 
 
+LEANEST_SWAPS = "every saved activation, and every gradient the backward holds unread, swapped out and back just in time"
+"""How the leanest plan with a host link reaches its floor, in the words every floor message uses."""
+
+
 def leanest_swaps(problem: Problem) -> tuple[Offload, ...]:
     """The leanest activation plan: every saved activation swapped out synchronously right after its last
     forward read and fetched back just in time."""
