@@ -34,12 +34,14 @@ def test_solver_options_keep_good_values():
 
 def test_an_optimal_plan_above_its_bound_says_what_the_solver_proved():
     """WRN-28-10 (tiny) low in its budget range: CP-SAT proves its exact model optimal, yet the simulated step
-    is 13% above the proven lower bound; the plan says what OPTIMAL covers instead of implying the optimum."""
+    is 25% above the proven lower bound; the plan says what OPTIMAL covers instead of implying the optimum.
+    (At 0.15 of the range it was 13% above; since the solver decides on small tensors too, it finds a faster
+    plan there, 12.4% above, without proving it optimal.)"""
     from conftest import prepared
 
     p = prepared("wrn28_10")
     floor, peak = p.min_peak_bytes(), p.unplanned_peak_bytes
-    plan = p.plan(int(floor + 0.15 * (peak - floor)), "cpsat", time_limit_s=20).plan  # done in ~2 s
+    plan = p.plan(int(floor + 0.10 * (peak - floor)), "cpsat", time_limit_s=20).plan  # done in ~2 s
     assert plan.status == "OPTIMAL" and plan.step_time_us > plan.lower_bound_us * 1.05
     assert "within the solver's model only" in plan.shown_status()
     assert "x the proven lower bound" in plan.table(max_rows=0)
