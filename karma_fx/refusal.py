@@ -15,6 +15,7 @@ from karma_fx.budget import format_bytes
 from karma_fx.errors import InfeasibleBudgetError
 from karma_fx.regions import Run, Step, pinned_by_breaks
 from karma_fx.strategies import DEFAULT_STRATEGY
+from karma_fx.strategies.leanest import LEANEST_SWAPS
 
 MARGIN_FRACTION = 0.001
 MARGIN_BYTES = 1024
@@ -44,8 +45,7 @@ def refusal(*, strategy: str, budget_bytes: int, views: list[Run], regions: list
     message = (
         f"strategy {strategy!r} cannot fit the training step in {format_bytes(budget_bytes)}"
         + (f" (its {len(views)} compiled region runs share the budget)" if len(views) > 1 else "")
-        + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: every saved "
-          f"activation swapped out and back just in time"
+        + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: {LEANEST_SWAPS}"
         + (", convolutions run a piece of the batch at a time" if split else "")
         + f"), which the default strategy {DEFAULT_STRATEGY!r} "
           f"reaches; with nothing moved the step peaks at {format_bytes(unplanned)}"
