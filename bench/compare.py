@@ -91,8 +91,8 @@ def print_model(head: dict[str, Any], device: str) -> None:
              if head.get("min_peak_chunked_bytes") else "")
           + f"), unlimited-memory step {head['unlimited_ms']:.1f} ms")
     print(compare_table(head["cells"], tablefmt="github"))
-    print("lower bound (LP relaxation of every plan): " + ", ".join(
-        f"{b}: {'no plan fits' if v is None else f'{v:.3f}x'}" for b, v in head["bound"].items()))
+    print("lower bound (LP relaxation of every plan that moves saved activations): " + ", ".join(
+        f"{b}: {'none of them fits' if v is None else f'{v:.3f}x'}" for b, v in head["bound"].items()))
     print("planning: capture+liveness+costs {:.1f} s; ".format(head["prepare_s"])
           + ", ".join(f"{s} {t:.1f} s" for s, t in head["strategy_s"].items())
           + f" (for {len({c['budget'] for c in head['cells']})} budgets)")

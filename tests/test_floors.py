@@ -141,3 +141,19 @@ def test_a_floor_swapping_gradients_the_backward_holds_unread_runs_as_eager_at_i
         step(x).backward()
     assert meter.peak_bytes <= budget, (meter.peak_bytes, budget)
     assert meter.peak_bytes >= step.predicted_peak_bytes - 1024, (meter.peak_bytes, step.predicted_peak_bytes)
+
+
+def test_below_every_plan_of_saved_activations_cpsat_falls_back_to_the_leanest_plan_claiming_no_bound():
+    """Between the leanest plan's floor and the lowest peak of plans that move saved activations, the LP bound
+    proves that none of those fits; cpsat then returns the leanest plan, which also swaps out what the backward
+    holds unread, and claims no bound (the LP does not cover it). It used to return INFEASIBLE there, below
+    the floor it quoted."""
+    torch.manual_seed(0)
+    prep = karma_fx.prepare(TwoBranches(), (torch.randn(512, 64),), compiler="eager", costs="roofline")
+    saved_only = figures_of(prep.problem, prep.costs, leanest_swaps(prep.problem)).peak_bytes
+    floor = prep.min_peak_bytes()
+    assert floor < saved_only
+    plan = prep.plan((floor + saved_only) // 2, "cpsat").plan
+    assert plan.status == "FALLBACK:leanest" and plan.fits and plan.lower_bound_us is None
+    assert any(isinstance(d, Offload) and prep.problem.is_backward(prep.problem.storage(d.tensor).producer)
+               for d in plan.decisions)

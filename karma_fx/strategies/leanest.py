@@ -70,12 +70,6 @@ def leanest_recomputes(problem: Problem) -> tuple[Decision, ...]:
     return reconcile(problem, decisions_for_saved(problem, frozenset(), RecomputeBuilder(problem)))
 
 
-def leanest_moves(problem: Problem, costs: Costs) -> tuple[Decision, ...]:
-    """``leanest_swaps`` where the costs allow offloading, the leanest recompute-only plan
-    (``leanest_decisions``) where they do not."""
-    return leanest_swaps(problem) if costs.allow_offload else leanest_decisions(problem, costs)
-
-
 REMAT_PROBES = 8
 """Budgets ``leanest_remat`` tries, halving the interval each time: 1/256 of the peak apart at the end."""
 

@@ -29,7 +29,7 @@ from typing import Sequence
 
 from karma_fx import progress
 from karma_fx.costs import Costs
-from karma_fx.plan import Decision, Plan
+from karma_fx.plan import Offload, Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import paused_gc
 from karma_fx.strategies.base import Strategy, copies_landed, figures_of, timeline_of
@@ -42,7 +42,7 @@ from karma_fx.strategies.cpsat.options import SolverOptions
 from karma_fx.strategies.cpsat.repeat import plan_by_blocks
 from karma_fx.strategies.cpsat.segments import attach_plan_choices
 from karma_fx.strategies.cpsat.window import refine_in_windows
-from karma_fx.strategies.leanest import leanest_decisions, leanest_moves
+from karma_fx.strategies.leanest import leanest_decisions
 
 
 DEFAULT_LIMIT_ENV = "KARMA_TIME_LIMIT"
@@ -170,14 +170,17 @@ class CpSat:
             progress.report("lower bound", strategy=self.name)
             proven = lower_bound_us(problem, costs, budget_bytes, base)
             if proven is None:
-                leanest = leanest_moves(problem, costs)
-                if not costs.allow_offload and figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
+                # The relaxation covers plans of saved activations; the leanest plan may also swap out what the
+                # backward makes (``leanest.backward_swaps``), or (without a host link) rematerialize generally
+                leanest = leanest_decisions(problem, costs)
+                if figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
                     return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
                                 status="FALLBACK:leanest", notes=(
-                                    "the lower bound's relaxed model finds no plan that fits, but the leanest plan "
-                                    "known does; no bound is claimed",))
-                proof = ("no plan can fit this budget: a relaxed model of every possible plan (a linear program) "
-                         "proves it" if costs.allow_offload else
+                                    "the lower bound's relaxed model, of plans that move saved activations, finds no "
+                                    "plan that fits, but the leanest plan known does; no bound is claimed",))
+                proof = ("no plan that moves saved activations can fit this budget: a relaxed model of them (a "
+                         "linear program) proves it, and the leanest plan known, which also swaps out what the "
+                         "backward holds unread, does not fit either" if costs.allow_offload else
                          "no plan that moves saved activations can fit this budget: a relaxed model of them (a "
                          "linear program) proves it (general rematerialization is outside that model)")
                 return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
@@ -228,8 +231,11 @@ class CpSat:
         if best is None:  # no heuristic fits: the leanest plan is the last resort, and the floor quoted to users
             leanest = leanest_decisions(problem, costs)
             if figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
+                # the bound covers plans of saved activations: not one that also swaps out backward tensors
+                covered = not any(isinstance(d, Offload) and problem.is_backward(problem.storage(d.tensor).producer)
+                                  for d in leanest)
                 return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
-                            status="FALLBACK:leanest", lower_bound_us=proven,
+                            status="FALLBACK:leanest", lower_bound_us=proven if covered else None,
                             notes=tuple(notes) + ("only the leanest plan fits: every saved tensor moved out and back "
                                                   "just in time",) + tuple(stopped))
             return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
