@@ -305,7 +305,7 @@ def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collec
     (``written_in_place``). Names and ops are unchanged (some ops read more, some storages are 0 bytes), so
     plans made on it apply to the graph ``problem`` was built from."""
     fused = fused_storages(problem, fusible, inlined)
-    return _as_kernels_hold_it(_allocated(problem, fused), fused, fusible)
+    return replace(_as_kernels_hold_it(_allocated(problem, fused), fused, fusible), fused_kernels=True)
 
 
 def _as_kernels_hold_it(allocated: Problem, fused: frozenset[str], fusible: Collection[str]) -> Problem:
@@ -446,7 +446,7 @@ def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], i
     allocated = _allocated(problem, fused)
     # costed before the runs' held outputs are added as reads: a kernel reads its inputs, not those
     timed = kernel_costs(allocated, costs, fused, device, measured=measured)
-    return _as_kernels_hold_it(allocated, fused, fusible), timed
+    return replace(_as_kernels_hold_it(allocated, fused, fusible), fused_kernels=True), timed
 
 
 def partition_peak_bytes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> int:

@@ -30,12 +30,13 @@ class PlanValueError(PlanFormatError, InvalidPlanError):
     invalid plan (``InvalidPlanError``), so either ``except`` catches it."""
 
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2 added the weights-out-of-core decisions (``stream_weight``, ``grad_to_host``); 3 the wait of a gradient's
 copy (``grad_to_host.release_before``) and streams of a weight's bf16 cast or a gradient sent narrow
 (``karma_fx.wire``), which a version 2 reader would misread; 4 kernels split along the batch (``splits``),
-which a version 3 reader would ignore and so run over the plan's peak."""
-READABLE_VERSIONS = (1, 2, 3, 4)
+which a version 3 reader would ignore and so run over the plan's peak; 5 offloads of tensors the backward
+makes (``leanest.backward_swaps``), which a version 4 rewrite cannot place."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 """Plans of earlier versions are still valid plans of this one, with the same meaning."""
 OPTIMAL_TOLERANCE = 1e-3
 """A step within this fraction of its proven lower bound is shown as plainly OPTIMAL (``Plan.shown_status``)."""

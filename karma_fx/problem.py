@@ -84,6 +84,9 @@ class Problem:
     aliases: tuple[tuple[str, str], ...] = ()
     """(graph node name, storage name) for every tensor-valued node, views included."""
     name: str = "model"
+    fused_kernels: bool = False
+    """Whether this is the step as Inductor runs it (``fusion.inductor_problem``): its kernels compute several
+    ops each and may run a reader's half of an op late, which some moves need to know."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _op_index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 

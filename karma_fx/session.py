@@ -101,8 +101,8 @@ class Session:
         """Storage pointer -> bytes of the weights, buffers and gradients held, this step and before."""
         self._storage_of: dict[int, tuple[Any, int, int]] = {}
         """id of a weight -> (a weak reference to it, its storage pointer, bytes)."""
-        self._grad_storage: dict[int, tuple[Any, int, int]] = {}
-        """id of a held gradient -> (a weak reference to it, its storage pointer, bytes)."""
+        self._grad_storage: dict[int, tuple[Any, int, int, int]] = {}
+        """id of a held gradient -> (a weak reference to it, its storage pointer, bytes, its data pointer)."""
         self._region_weights_cache: dict[tuple, _RegionWeights] = {}
         self._params_added = 0
         self._seen_weights_cache: tuple[tuple[int, int], tuple[list[Any], list[Any]]] | None = None
@@ -162,9 +162,10 @@ class Session:
             if grad is not None:
                 held.add(id(p))
                 # an accumulated gradient is the same tensor from step to step: its storage read once
+                # (its data pointer checked: ``grad.data = ...``, as ``Module._apply`` does, keeps the object)
                 known = grad_storage.get(id(grad))
-                if known is None or known[0]() is not grad:
-                    known = grad_storage[id(grad)] = (weakref.ref(grad), *storage_of(grad))
+                if known is None or known[0]() is not grad or known[3] != grad.data_ptr():
+                    known = grad_storage[id(grad)] = (weakref.ref(grad), *storage_of(grad), grad.data_ptr())
                 weights[known[1]] = known[2]
         if len(grad_storage) > 2 * len(held) + 64:  # forget gradients gone (set to None, replaced)
             self._grad_storage = {k: v for k, v in grad_storage.items() if v[0]() is not None}

@@ -791,45 +791,16 @@ def test_before_torch_2_10_the_pipeline_doors_run_op_by_op(monkeypatch):
         karma_fx.compile(torch.nn.Linear(2, 2), budget=1.0, compiler="inductor", data_parallel=True)
 
 
-class _SwapsBackwardGradients:
-    """Every saved activation swapped out, and every gradient piece the backward leaves unread for a while
-    (``leanest.backward_swaps``): the leanest plan's moves, asked for at any budget."""
-
-    name = "swaps-backward-gradients"
-
-    def __call__(self, problem, costs, budget_bytes):
-        from karma_fx.plan import Plan
-        from karma_fx.strategies.leanest import backward_swaps, leanest_swaps
-
-        return Plan(strategy=self.name, budget_bytes=budget_bytes, status="FEASIBLE",
-                    decisions=leanest_swaps(problem) + backward_swaps(problem))
-
-
-def test_gradients_the_backward_swaps_out_come_back_exact_under_inductor():
-    """A tensor made by the backward and swapped out before its first read (a tied head's weight gradient,
-    held until the embedding's is added) is copied out and back inside Inductor's backward graph: training
-    equals eager, and the allocator's peak is within the plan's."""
-    from karma_fx.measure_run import AllocatorPeak
+def test_the_step_inductor_runs_swaps_no_tensor_the_backward_makes():
+    """The leanest plan's backward swaps (``leanest.backward_swaps``) are for steps run op by op: Inductor may
+    split a reader's kernel and run its second half, reading the fetched tensor and the saved tensors that half
+    reads, after the peak (a layer norm's backward split around a heavy branch measured 256 KiB above its plan,
+    19% over its budget at the floor). The problem of an Inductor step says so, and gets none."""
+    from karma_fx.strategies.leanest import backward_swaps
 
     torch.manual_seed(0)
     model, args, kwargs = build("gpt2", "tiny", dropout=0.0)
-    reference = copy.deepcopy(model)
-    step = karma_fx.compile(model, budget="64MiB", compiler="inductor", strategy=_SwapsBackwardGradients(),
-                            loss_chunk=16)
-    for _ in range(3):
-        got, want = step(*args, **kwargs).loss, reference(*args, **kwargs).loss
-        got.backward()
-        want.backward()
-        assert torch.allclose(got, want, rtol=1e-5)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-    problem = step.regions[0].prepared.problem
-    swapped = [d.tensor for d in step.plan.decisions
-               if isinstance(d, Offload) and problem.storage(d.tensor).producer >= problem.num_fwd_ops]
-    assert len(swapped) >= 3
-    assert sum(n.target == torch.ops.karma.offload.default for n in step.graphs[0][1].graph.nodes) == len(swapped)
-    with AllocatorPeak(model.parameters(), *args, *kwargs.values()) as meter:
-        step(*args, **kwargs).loss.backward()
-    assert meter.peak_bytes <= step.predicted_peak_bytes
+    eager = karma_fx.prepare(model, args, kwargs, compiler="eager", costs="roofline", loss_chunk=16)
+    inductor = karma_fx.prepare(model, args, kwargs, compiler="inductor", costs="roofline", loss_chunk=16)
+    assert not eager.problem.fused_kernels and backward_swaps(eager.problem)
+    assert inductor.problem.fused_kernels and backward_swaps(inductor.problem) == ()

@@ -108,7 +108,8 @@ def without_weights(problem: Problem) -> Problem:
     storages = tuple(replace(s, size_bytes=0) if s.kind == "param" or (s.kind == "gradient" and s.is_output)
                      else s for s in problem.storages)
     return Problem(ops=problem.ops, storages=storages, num_fwd_ops=problem.num_fwd_ops,
-                   cut_points=problem.cut_points, aliases=problem.aliases, name=problem.name)
+                   cut_points=problem.cut_points, aliases=problem.aliases, name=problem.name,
+                   fused_kernels=problem.fused_kernels)
 
 
 class WeightsOutOfCore:

@@ -53,10 +53,17 @@ a tiny model on the H100 preset (130 to 630 µs) gets 2.6 to 12 times finer ones
 abstract units is not rounded to nothing (at 0.1 µs, ops of 0.04 units all took no time)."""
 
 
+MAX_TIME_SCALE = 1e6
+"""...but never finer than a picosecond: copies do not shrink with the ops' times, and a graph timed in 1e-12
+units at 2^14 units a step made a model whose domains overflowed 64 bits (CP-SAT: MODEL_INVALID)."""
+
+
 def time_scale(costs: Costs) -> float:
-    """Model time units per µs for a graph of these costs (``TIME_UNITS_PER_STEP``)."""
+    """Model time units per µs for a graph of these costs (``TIME_UNITS_PER_STEP``, ``MAX_TIME_SCALE``)."""
     compute_us = sum(t for t in costs.op_time_us if t > 0)
-    return max(float(TIME_SCALE), TIME_UNITS_PER_STEP / compute_us) if compute_us > 0 else float(TIME_SCALE)
+    if compute_us <= 0:
+        return float(TIME_SCALE)
+    return min(MAX_TIME_SCALE, max(float(TIME_SCALE), TIME_UNITS_PER_STEP / compute_us))
 
 
 def memory_unit(unplanned_peak_bytes: int) -> int:

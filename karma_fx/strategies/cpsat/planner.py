@@ -227,7 +227,8 @@ class CpSat:
             cands = []
         good_enough_us = None if proven is None else proven * (1 + opts.good_enough_gap)
         if cands and not out_of_time():
-            best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, landed, proven, notes, say, unit)
+            best = self._solve_whole(problem, costs, budget_bytes, base, cands, best, landed, proven, notes, say,
+                                     unit, smallest)
         if best is None:  # no heuristic fits: the leanest plan is the last resort, and the floor quoted to users
             leanest = leanest_decisions(problem, costs)
             if figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
@@ -282,10 +283,11 @@ class CpSat:
 
     def _solve_whole(self, problem: Problem, costs: Costs, budget_bytes: int, base: list[int], cands: list[Candidate],
                      best: tuple[float, Plan, int] | None, landed: dict[str, int], proven: float | None,
-                     notes: list[str], say, unit: int) -> tuple[float, Plan, int] | None:
+                     notes: list[str], say, unit: int, smallest: int) -> tuple[float, Plan, int] | None:
         """The whole-graph models: the all-linear capacity model picks decisions among the candidates' options,
         then the exact FIFO model times them and polishes from the best start it is given (``landed``: where
-        the copies out of ``best``'s plan have landed), memory counted in ``unit`` bytes. Returns the new best (simulated time, plan, peak): the
+        the copies out of ``best``'s plan have landed), memory counted in ``unit`` bytes, tensors decided on from
+        ``smallest`` bytes. Returns the new best (simulated time, plan, peak): the
         solver's plan if the simulator says it fits and is no slower."""
         opts = self.options
         effort_s = opts.effort_s(len(cands))
@@ -332,7 +334,7 @@ class CpSat:
         notes.append(f"solver, exact pass: {quality} among the points it considers, predicted "
                      f"{(predicted or objective) / 1e3:.3f} ms, simulated {tl.makespan_us / 1e3:.3f} ms")
         if status == "OPTIMAL" and not _at_bound(tl.makespan_us, proven):
-            notes.append(_restricted_optimum_note(len(cands), unit, tl.makespan_us, proven))
+            notes.append(_restricted_optimum_note(len(cands), smallest, tl.makespan_us, proven))
         if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us <= best[0]):
             solved = Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=decisions,
                           status="OPTIMAL" if _at_bound(tl.makespan_us, proven) else status,
