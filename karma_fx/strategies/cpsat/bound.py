@@ -37,7 +37,8 @@ its gap, before the last checked op) from a temporary it kept alive is not mappe
 both the temporary and the rebuilt tensor and is dominated on these graphs, and the tests of the bound
 (every strategy's plans, an enumerated plan family on random steps) hold. Plans that stream weights move other bytes and
 are not covered, nor are plans that swap out tensors the backward makes (the leanest plan may:
-``leanest.backward_swaps``); the planner claims no bound for those. Without a host link (``costs.allow_offload`` false) every ``x`` and every temporary's "sent to
+``leanest.backward_swaps``); the planner claims no bound for those. Without a host link
+(``costs.allow_offload`` false) every ``x`` and every temporary's "sent to
 the host" share is fixed to 0: the bound is then one on recompute-only plans, tighter than the general one
 and still proven (it relaxes only what a recompute-only plan can do).
 """
