@@ -28,8 +28,8 @@ from karma_fx.strategies.weights import weight_streams
 from karma_fx.wire import host_casts
 
 
-LEANEST_SWAPS = ("every saved activation, and every gradient the backward holds unread, swapped out and back "
-                 "just in time")
+LEANEST_SWAPS = ("every saved activation swapped out and back just in time (op by op, also every gradient the "
+                 "backward holds unread)")
 """How the leanest plan with a host link reaches its floor, in the words every floor message uses."""
 
 
