@@ -45,7 +45,7 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
 
     n, nf = len(problem.ops), problem.num_fwd_ops
     m = cp_model.CpModel()
-    scale = time_scale(costs)
+    scale = time_scale(problem, costs)
     t = lambda us: int(round(us * scale))  # noqa: E731
     dv = add_decisions_and_memory(m, problem, cands, base_bytes, budget_bytes, unit,
                                   allow_offload=costs.allow_offload)

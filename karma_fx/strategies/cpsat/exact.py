@@ -51,7 +51,7 @@ class Model:
             self.all_vars.append(v)
             return v
 
-        scale = self.scale = time_scale(costs)
+        scale = self.scale = time_scale(problem, costs)
 
         def _t(us: float) -> int:
             return int(round(us * scale))
