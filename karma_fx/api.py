@@ -55,6 +55,10 @@ class Prepared:
     """The chunked loss head's tokens per chunk, where the step was traced with it (``karma_fx.loss_ops``)."""
     tokens: int = 0
     """The tokens of that loss head."""
+    keep_all_excess: tuple[int, int, int] | None = None
+    """Under Inductor, what its own partition of the step (min-cut, the step as written) holds above the
+    partition planned: forward peak, backward peak, bytes saved for the backward (``inductor.min_cut_excess``);
+    ``None`` where the step as written is the partition planned."""
     twins: "list[Prepared]" = field(default_factory=list)
     """The same step traced with its loss head chunked (each at one of ``passes.loss_head.chunk_sizes``), which
     ``plan`` also plans where the default strategy plans (``prepare(loss_chunk=None)``)."""
@@ -64,7 +68,13 @@ class Prepared:
 
     @property
     def unplanned_peak_bytes(self) -> int:
-        return self.keep.peak_bytes
+        """The step as written: under Inductor its own partition's, where that holds more than the one planned."""
+        if not self.keep_all_excess:
+            return self.keep.peak_bytes
+        memory = [b for _, b in self.keep.memory]
+        split = self.keep.forward_items
+        fwd, bwd, _ = self.keep_all_excess
+        return max(max(memory[:split], default=0) + fwd, max(memory[split:], default=0) + bwd)
 
     def min_peak_bytes(self) -> int:
         """The lowest peak of the plans known (``karma_fx.strategies.leanest``): every saved activation swapped
@@ -119,25 +129,31 @@ class Prepared:
         replay has it landed (``wait_where_copies_land``), and the simulator's verdict attached."""
         raw = raw.replace(decisions=wait_where_copies_land(self.problem, raw, self.costs))
         timeline = simulate(self.problem, raw, self.costs)
-        keep = self.keep
-        plan = raw.replace(model=self.problem.name, device=self.costs.device, peak_bytes=timeline.peak_bytes,
+        keep, unplanned = self.keep, self.unplanned_peak_bytes
+        # the plan that moves nothing runs as written (under Inductor, Inductor's own partition)
+        peak = unplanned if raw.status == "KEEP" and not raw.decisions else timeline.peak_bytes
+        plan = raw.replace(model=self.problem.name, device=self.costs.device, peak_bytes=peak,
                            loss_chunk=self.loss_chunk,
                            step_time_us=round(timeline.makespan_us, 3),
-                           unlimited_step_time_us=round(keep.makespan_us, 3), unplanned_peak_bytes=keep.peak_bytes,
+                           unlimited_step_time_us=round(keep.makespan_us, 3), unplanned_peak_bytes=unplanned,
                            host_peak_bytes=timeline.host_peak_bytes, schedule=timeline.rows)
         return plan, timeline
 
     def plan(self, budget: "str | int | float | Budget", strategy: str | Strategy | None = None, *,
              raise_if_infeasible: bool = True, offload_weights: bool = False,
-             time_limit_s: float | None = None) -> Planned:
+             time_limit_s: float | None = None, as_default: bool = False) -> Planned:
         """Plan at ``budget``; ``offload_weights`` streams the parameters from host memory and sends their
-        gradients to it (``karma_fx.strategies.weights``), for steps whose weights do not fit."""
+        gradients to it (``karma_fx.strategies.weights``), for steps whose weights do not fit. ``as_default``:
+        ``strategy`` stands for the default one (planned without the chunked twins)."""
         budget_bytes = parse_budget(budget, self.unplanned_peak_bytes)
         if self.twins and strategy in (None, DEFAULT_STRATEGY) and not offload_weights:
             return self._plan_with_twins(budget_bytes, raise_if_infeasible, time_limit_s)
         chosen = self.strategy(strategy, offload_weights=offload_weights, time_limit_s=time_limit_s)
         t0 = time.perf_counter()
-        raw = chosen(self.problem, self.costs, budget_bytes)
+        if self._as_written_fits(budget_bytes, None if as_default else strategy, offload_weights):
+            raw = Plan(DEFAULT_STRATEGY, budget_bytes, status="KEEP", notes=("nothing moved: the step as compiled",))
+        else:
+            raw = chosen(self.problem, self.costs, budget_bytes)
         solve_s = time.perf_counter() - t0
         plan, timeline = self.judge(raw)
         if raise_if_infeasible and not plan.fits:
@@ -167,6 +183,13 @@ class Prepared:
         return Planned(plan=plan, problem=self.problem, costs=self.costs, timeline=timeline, step=self.step,
                        seconds={**self.seconds, "strategy": solve_s})
 
+    def _as_written_fits(self, budget_bytes: int, strategy: Any, offload_weights: bool) -> bool:
+        """Where the step as written is Inductor's own partition, holding more than the one planned
+        (``keep_all_excess``), and fits: the default strategy runs it as it is, as ``compile`` does (a plan of
+        the strategy's that moves nothing would count the partition planned)."""
+        return (strategy in (None, DEFAULT_STRATEGY) and not offload_weights and bool(self.keep_all_excess)
+                and any(self.keep_all_excess[:2]) and self.unplanned_peak_bytes <= budget_bytes)
+
     def _plan_with_twins(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None
                          ) -> Planned:
         """The loss head as a choice, as ``karma_fx.session`` makes it: the step as written wherever it fits;
@@ -174,7 +197,7 @@ class Prepared:
         fit; the fastest that fits, else the leanest (a refusal naming the lowest floor of them)."""
         alone = self.strategy(None, time_limit_s=time_limit_s)  # an object: planned here without the twins
         if self.unplanned_peak_bytes <= budget_bytes:  # as the session: the step as written wherever it fits
-            return self.plan(budget_bytes, alone, raise_if_infeasible=raise_if_infeasible)
+            return self.plan(budget_bytes, alone, raise_if_infeasible=raise_if_infeasible, as_default=True)
         leanest = min([self] + self.twins, key=lambda p: p.min_peak_bytes())
         options = [] if self.min_peak_bytes() > budget_bytes and leanest is not self else [
             self.plan(budget_bytes, alone, raise_if_infeasible=False)]  # (below its floor: no plan of it fits)
@@ -281,7 +304,8 @@ def _prepare(model: nn.Module, args: Any, kwargs: Any, device: Any, name: str | 
         t3 = time.perf_counter()
     seconds.update(capture=t1 - t0, liveness=t2 - t1, costs=t3 - t2)
     return Prepared(problem=problem, costs=cost_model, keep=keep, step=step, seconds=seconds, pricing=pricing,
-                    loss_chunk=step.loss_chunk, tokens=step.loss_tokens)
+                    loss_chunk=step.loss_chunk, tokens=step.loss_tokens,
+                    keep_all_excess=step.keep_all_excess() if step.keep_all_excess is not None else None)
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,

@@ -220,6 +220,12 @@ class KarmaBackend:
                                 seconds={"costs": time.perf_counter() - started},
                                 loss_chunk=head.chunk if head is not None and head.rewritten else 0,
                                 tokens=head.tokens if head is not None else 0)
+            if step.keep_all_excess is not None:
+                try:
+                    prepared.keep_all_excess = step.keep_all_excess()
+                except Exception:  # noqa: BLE001 - the step as written is then the partition planned
+                    log.debug("Inductor's own partition not priced; a plan that moves nothing keeps the one "
+                              "planned where min-cut peaks higher", exc_info=True)
             if only_price:
                 region.prepared = prepared
                 raise _Prepared
@@ -239,12 +245,24 @@ class KarmaBackend:
 
         pipeline = session.pipeline
         inductor = session.config.compiler == "inductor"
+        keep_all: Callable | None = None
+        keep_all_excess: Callable | None = None
         if inductor:
-            from karma_fx.inductor import min_cut_partition
+            from karma_fx.inductor import min_cut_excess, min_cut_partition
+
+            def inductors_own(*args: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+                # the step as written where the plan is that step and its footprint counts Inductor's own
+                # partition; otherwise min-cut only where it peaks no higher than the partition planned
+                variant = chosen.get("variant")
+                return min_cut_partition(*args, as_written=variant is not None and variant.inductors_own,
+                                         **kwargs)
+
+            keep_all = inductors_own
+            # a step handing gradients over is always split as planned (``save_params``): no min-cut to count
+            keep_all_excess = min_cut_excess if pipeline is None else None
         planned = make_partition_fn(plan_fn, region.kinds, region.names, on_done,
-                                    save_params=pipeline is not None,
-                                    keep_all=min_cut_partition if inductor else None,
-                                    dropout_backward=not inductor)
+                                    save_params=pipeline is not None, keep_all=keep_all,
+                                    keep_all_excess=keep_all_excess, dropout_backward=not inductor)
 
         def partition(*args: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             fw, bw = planned(*args, **kwargs)

@@ -79,8 +79,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Collection, Union
+from typing import TYPE_CHECKING, Any, Collection, Union
 
+import torch
 import torch.fx as fx
 
 from karma_fx.passes.fusible import SEEDED_LOOP_OPS, fusible_ops, inlined_ops, stitched
@@ -92,7 +93,7 @@ if TYPE_CHECKING:
 
 __all__ = ["delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem", "inlined_reads",
            "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "partition_peak_bytes",
-           "saved_for_shapes_held", "written_in_place"]
+           "partition_peaks", "saved_for_shapes_held", "written_in_place"]
 
 _FUSED_KINDS = ("activation", "temp")
 
@@ -449,19 +450,36 @@ def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], i
     return replace(_as_kernels_hold_it(allocated, fused, fusible), fused_kernels=True), timed
 
 
-def partition_peak_bytes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """The step's peak as Inductor allocates it (``inductor_problem``), nothing moved, for a training step
-    already partitioned into ``fw`` and ``bw`` (what AOTAutograd's partitioners return; the first
-    ``num_fwd_outputs`` forward outputs are the step's, the rest are saved for ``bw``, in its placeholders'
-    order). Every placeholder counts as held all step, so only differences between partitions of one joint
-    graph are meaningful, not the number itself."""
+def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int, int]:
+    """(forward peak, backward peak, bytes saved for the backward) of a training step already partitioned into
+    ``fw`` and ``bw`` (what AOTAutograd's partitioners return; the first ``num_fwd_outputs`` forward outputs are
+    the step's, the rest are saved for ``bw``, in its placeholders' order), nothing moved, as Inductor allocates
+    it (``inductor_problem``). Every placeholder counts as held all step, so only differences between
+    partitions of one joint graph are meaningful, not the numbers themselves."""
     from karma_fx.costs import estimate_costs
     from karma_fx.passes.capture import CapturedStep
-    from karma_fx.passes.liveness import build_problem
+    from karma_fx.passes.liveness import build_problem, storage_key
     from karma_fx.simulate import simulate
 
     joint = stitched(fw, bw, num_fwd_outputs)
     step = CapturedStep(joint=joint, primal_kinds=(), primal_names=(), num_fwd_outputs=num_fwd_outputs,
                         output_names=())
     problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph))
-    return simulate(problem, (), estimate_costs(problem), detail=False).peak_bytes
+    timeline = simulate(problem, (), estimate_costs(problem), detail=False)
+    memory = [b for _, b in timeline.memory]
+    split = timeline.forward_items
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    storages: dict[Any, int] = {}
+    for node in output.args[0][num_fwd_outputs:]:
+        if not isinstance(node, fx.Node) or node.op == "placeholder":  # a weight or input: held all step anyway
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            storages[storage_key(val)] = val.untyped_storage().nbytes()
+    return max(memory[:split], default=0), max(memory[split:], default=0), sum(storages.values())
+
+
+def partition_peak_bytes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """The step's peak of ``partition_peaks``: only differences between partitions of one joint graph mean
+    anything."""
+    return max(partition_peaks(fw, bw, num_fwd_outputs)[:2])

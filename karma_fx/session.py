@@ -517,7 +517,7 @@ class Session:
         ran = self._previous[len(calls)].variant if later is not None and self._previous else None
         candidates = [Candidate(key=i, step_time_us=v.plan.step_time_us or 0.0, own_peak_bytes=v.fp.peak_bytes,
                                 step_peak_bytes=peak(v.fp), leanest=v is region.leanest, ran_last_step=v is ran,
-                                ran_before=v.ran)
+                                ran_before=v.ran, keep=v is keep)
                       for i, v in enumerate(region.variants)]
         variants = list(region.variants)
         lean = self._leanest(region)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ class Variant:
     """Primal positions of the parameters whose gradients this variant hands to the gradient pipeline."""
     ran: bool = False
     """Whether it has run: its first run allocates what later runs reuse (the host buffers of its offloads)."""
+    inductors_own: bool = False
+    """The plan that moves nothing, compiled as Inductor's own step (min-cut partition), its footprint counting
+    what that holds above the partition planned (``Prepared.keep_all_excess``)."""
 
 
 @dataclass(eq=False)
@@ -171,9 +174,18 @@ def judged(region: Region, raw: Plan, config: KarmaConfig, budget_bytes: int | N
 
 
 def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) -> Variant:
-    """The plan that moves nothing."""
-    return judged(region, Plan(_strategy_name(config, "keep"), 0, status="KEEP",
-                               notes=("nothing moved: the step as compiled",)), config, budget_bytes)
+    """The plan that moves nothing: under Inductor, Inductor's own step, with what its partition holds above
+    the one planned added to the footprint (the unplanned step a fraction is of is then ``torch.compile``'s)."""
+    variant = judged(region, Plan(_strategy_name(config, "keep"), 0, status="KEEP",
+                                  notes=("nothing moved: the step as compiled",)), config, budget_bytes)
+    excess = getattr(region.prepared, "keep_all_excess", None)
+    if excess is None:
+        return variant
+    fwd, bwd, held = excess
+    fp = replace(variant.fp, fwd_peak_bytes=variant.fp.fwd_peak_bytes + fwd,
+                 bwd_peak_bytes=variant.fp.bwd_peak_bytes + bwd,
+                 internal_held_bytes=variant.fp.internal_held_bytes + held)
+    return Variant(plan=variant.plan, fp=fp, inductors_own=True)  # its peak counts the excess (``judge``)
 
 
 def leanest_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) -> Variant:

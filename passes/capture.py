@@ -50,6 +50,9 @@ class CapturedStep:
     """Tokens per chunk of the loss head where it was traced chunked (``passes/loss_head.py``), else 0."""
     loss_tokens: int = 0
     """The tokens of that loss head."""
+    keep_all_excess: Any = None
+    """Where a plan that moves nothing is partitioned otherwise than the graph is planned (Inductor's own
+    partition): a callable returning what that partition holds above the one planned (``passes.partition``)."""
 
 
 class _JointCaptured(Exception):
@@ -217,6 +220,14 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
         # a dropout output can then be rebuilt from its mask
         if inductor:
             joint = _inductor_joint_passes(joint, joint_inputs)
+        if inductor:  # what the step as written (Inductor's own partition) holds above the partition planned
+            from karma_fx.inductor import min_cut_excess
+
+            try:
+                excess = min_cut_excess(joint, joint_inputs, **kw)
+                captured["keep_all_excess"] = lambda: excess
+            except Exception:  # noqa: BLE001 - planned as the partition planned, as compile then runs it
+                pass
         captured["joint"] = split_dropout(joint, not inductor)
         captured["joint_inputs"] = joint_inputs
         captured["num_fwd_outputs"] = kw["num_fwd_outputs"]
@@ -244,7 +255,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
                         num_fwd_outputs=captured["num_fwd_outputs"], output_names=output_names,
                         joint_inputs=captured["joint_inputs"],
                         loss_chunk=head.chunk if isinstance(head, ChunkedHead) and head.rewritten else 0,
-                        loss_tokens=head.tokens if isinstance(head, ChunkedHead) else 0)
+                        loss_tokens=head.tokens if isinstance(head, ChunkedHead) else 0,
+                        keep_all_excess=captured.get("keep_all_excess"))
 
 
 def _inductor_decompositions() -> dict:

@@ -7,6 +7,7 @@ partitioner does, but after the rewrite the backward reads host copies and recom
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from typing import Any, Callable
@@ -27,11 +28,14 @@ PlanFn = Callable[[Problem, CapturedStep], Plan]
 def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
                       on_done: Callable[[Problem, Plan, fx.GraphModule, fx.GraphModule], None],
                       save_params: bool = False, keep_all: Callable | None = None,
-                      dropout_backward: bool = True) -> Callable:
+                      keep_all_excess: Callable | None = None, dropout_backward: bool = True) -> Callable:
     """A ``partition_fn`` that plans with ``plan_fn`` and reports the result to ``on_done``.
     ``keep_all``: the partitioner of a plan that moves nothing, given the graph as captured (Inductor's min-cut
     partitioner under ``compiler="inductor"``, so that such a step is exactly ``torch.compile``'s); by default
     PyTorch's default partitioner, as ``aot_eager`` uses, on the graph planned (its dropouts split).
+    ``keep_all_excess``: what ``keep_all`` holds above the partition planned, as
+    ``keep_all_excess(joint, joint_inputs, num_fwd_outputs=..., **options)`` on a joint graph it must not edit;
+    handed to ``plan_fn`` as ``step.keep_all_excess``, to call where it prices the step.
     ``save_params``: route each parameter's gradient through a ``hand_over`` marker that also reads the
     parameter (``hand_over_gradients``), so that the gradient pipeline learns which parameter a gradient belongs
     to; saving a parameter for the backward costs no memory, it lives all step anyway.
@@ -44,6 +48,9 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
         step = CapturedStep(joint=split_dropout(joint, dropout_backward), primal_kinds=primal_kinds,
                             primal_names=primal_names, num_fwd_outputs=num_fwd_outputs, output_names=(),
                             joint_inputs=joint_inputs)
+        if keep_all_excess is not None:
+            step.keep_all_excess = functools.partial(keep_all_excess, joint, joint_inputs,
+                                                     num_fwd_outputs=num_fwd_outputs, **options)
         problem = build_problem(step)
         plan = plan_fn(problem, step)
         moves = bool(plan.decisions or plan.splits)

@@ -7,7 +7,7 @@ MiB = 1 << 20
 
 
 def test_the_fastest_plan_under_which_the_step_fits():
-    keep = Candidate(0, 100.0, 9 * MiB, 12 * MiB)
+    keep = Candidate(0, 100.0, 9 * MiB, 12 * MiB, keep=True)
     offload = Candidate(1, 110.0, 6 * MiB, 9 * MiB)
     recompute = Candidate(2, 130.0, 5 * MiB, 8 * MiB)
     lean = Candidate(3, 200.0, 3 * MiB, 6 * MiB, leanest=True)
@@ -15,6 +15,13 @@ def test_the_fastest_plan_under_which_the_step_fits():
     assert choose_plan(cands, 12 * MiB, 9 * MiB, ()) == Choice(use=0)
     assert choose_plan(cands, 10 * MiB, 7 * MiB, ()) == Choice(use=1)
     assert choose_plan(cands, 8 * MiB, 5 * MiB, ()) == Choice(use=2)
+
+
+def test_the_step_as_written_wherever_it_fits_even_where_a_plan_is_predicted_faster():
+    keep = Candidate(0, 100.0, 9 * MiB, 12 * MiB, keep=True)
+    fused = Candidate(1, 97.0, 8 * MiB, 11 * MiB, ran_last_step=True, ran_before=True)
+    assert choose_plan([keep, fused], 12 * MiB, 9 * MiB, ()) == Choice(use=0)
+    assert choose_plan([keep, fused], 11 * MiB, 8 * MiB, ()) == Choice(use=1)
 
 
 def test_equal_times_prefer_the_lower_own_peak():
