@@ -24,6 +24,7 @@ where interval variables with enforcement literals gave a flat bound and no plan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from karma_fx.costs import Costs
 from karma_fx.dependencies import dependency_graph, recompute_ops
@@ -84,6 +85,19 @@ def memory_unit(unplanned_peak_bytes: int) -> int:
 def candidate_bytes(unplanned_peak_bytes: int) -> int:
     """The smallest saved tensor the solver decides on, for a graph of this unplanned peak (``CANDIDATE_SHIFT``)."""
     return max(1, int(unplanned_peak_bytes) >> CANDIDATE_SHIFT)
+
+
+def solver_units(problem: Problem, unplanned_peak: Callable[[], int], fixed: int | None = None) -> tuple[int, int]:
+    """(memory unit, smallest saved tensor decided on) for planning ``problem``, the one place both are chosen:
+    ``fixed`` where an option fixes them, the fixed 64 KiB on the step Inductor runs
+    (``FIXED_UNITS_UNDER_INDUCTOR``), else relative to the graph's ``unplanned_peak()`` (``memory_unit``,
+    ``candidate_bytes``), called only then."""
+    if fixed is None and problem.fused_kernels:
+        fixed = FIXED_UNITS_UNDER_INDUCTOR
+    if fixed is not None:
+        return fixed, fixed
+    peak = unplanned_peak()
+    return memory_unit(peak), candidate_bytes(peak)
 
 
 def candidates(problem: Problem, min_bytes: int, choices: int = 3,

@@ -37,8 +37,7 @@ from karma_fx.strategies.cpsat.bound import lower_bound_us
 from karma_fx.strategies.cpsat.capacity import solve_capacity
 from karma_fx.strategies.cpsat.descent import descend
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan, in_prefetch_order, leanest_choices
-from karma_fx.strategies.cpsat.model import (FIXED_UNITS_UNDER_INDUCTOR, Candidate, candidate_bytes, candidates,
-                                             memory_unit)
+from karma_fx.strategies.cpsat.model import Candidate, candidates, solver_units
 from karma_fx.strategies.cpsat.options import SolverOptions
 from karma_fx.strategies.cpsat.repeat import plan_by_blocks
 from karma_fx.strategies.cpsat.segments import attach_plan_choices
@@ -148,13 +147,8 @@ class CpSat:
         base = [b for _, b in keep.memory]
         opts = self.options
         # relative to this graph: every model below counts in this unit, and decides on tensors from this size
-        if opts.memory_unit_bytes is None and problem.fused_kernels:
-            opts = replace(opts, memory_unit_bytes=FIXED_UNITS_UNDER_INDUCTOR)
-        smallest = candidate_bytes(keep.peak_bytes) if opts.memory_unit_bytes is None else opts.memory_unit_bytes
-        if opts.memory_unit_bytes is None:
-            opts = replace(opts, memory_unit_bytes=memory_unit(keep.peak_bytes))
-        unit = opts.memory_unit_bytes
-        assert unit is not None
+        unit, smallest = solver_units(problem, lambda: keep.peak_bytes, opts.memory_unit_bytes)
+        opts = replace(opts, memory_unit_bytes=unit)
         notes: list[str] = []
         stopped: list[str] = []
 

@@ -31,7 +31,7 @@ from karma_fx.strategies.base import copies_landed, figures_of, read_by_chains, 
 from karma_fx.strategies.cpsat.descent import descend
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
 from karma_fx.strategies.cpsat.choice import Choice
-from karma_fx.strategies.cpsat.model import FIXED_UNITS_UNDER_INDUCTOR, Candidate, memory_unit
+from karma_fx.strategies.cpsat.model import Candidate, solver_units
 from karma_fx.strategies.cpsat.segments import Segment, attach_plan_choices, segments_of
 from karma_fx.strategies.cpsat.options import SolverOptions
 
@@ -160,10 +160,9 @@ def pinned_model(problem: Problem, costs: Costs, budget_bytes: int, current: tup
     ``outside``, the rest of ``current``, pinned: its offloads of candidates as pinned candidates, its chains
     timed, the rest of its bytes the base memory; and ``current``'s own choices as the model's start. The
     windows and the block pass both solve it. ``landed``: where ``current``'s copies out have landed; ``unit``
-    the memory unit (``None``: ``memory_unit`` of the unplanned peak, as the planner takes it)."""
+    the memory unit (``None``: ``solver_units``'s, as the planner takes it)."""
     if unit is None:
-        unit = (FIXED_UNITS_UNDER_INDUCTOR if problem.fused_kernels
-                else memory_unit(timeline_of(problem, costs, ()).peak_bytes))
+        unit = solver_units(problem, lambda: timeline_of(problem, costs, ()).peak_bytes)[0]
     wcands = window_candidates(problem, [c for c in cands if c.name in names], outside)
     pinned_cands, pinned, rest = pin_outside_copies(problem, cands, names, outside, landed)
     base = per_op_memory(problem, timeline_of(problem, costs, rest))
