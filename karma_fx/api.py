@@ -55,10 +55,10 @@ class Prepared:
     """The chunked loss head's tokens per chunk, where the step was traced with it (``karma_fx.loss_ops``)."""
     tokens: int = 0
     """The tokens of that loss head."""
-    keep_all_excess: tuple[int, int, int] | None = None
+    keep_all_excess: Any = None
     """Under Inductor, what its own partition of the step (min-cut, the step as written) holds above the
-    partition planned: forward peak, backward peak, bytes saved for the backward (``inductor.min_cut_excess``);
-    ``None`` where the step as written is the partition planned."""
+    partition planned (``karma_fx.inductor.KeepExcess``); ``None`` where the step as written is the partition
+    planned."""
     twins: "list[Prepared]" = field(default_factory=list)
     """The same step traced with its loss head chunked (each at one of ``passes.loss_head.chunk_sizes``), which
     ``plan`` also plans where the default strategy plans (``prepare(loss_chunk=None)``)."""
@@ -73,7 +73,7 @@ class Prepared:
             return self.keep.peak_bytes
         memory = [b for _, b in self.keep.memory]
         split = self.keep.forward_items
-        fwd, bwd, _ = self.keep_all_excess
+        fwd, bwd = self.keep_all_excess.forward, self.keep_all_excess.backward
         return max(max(memory[:split], default=0) + fwd, max(memory[split:], default=0) + bwd)
 
     def min_peak_bytes(self) -> int:
@@ -141,16 +141,18 @@ class Prepared:
 
     def plan(self, budget: "str | int | float | Budget", strategy: str | Strategy | None = None, *,
              raise_if_infeasible: bool = True, offload_weights: bool = False,
-             time_limit_s: float | None = None, as_default: bool = False) -> Planned:
+             time_limit_s: float | None = None, as_default: bool = False, as_written: bool = True) -> Planned:
         """Plan at ``budget``; ``offload_weights`` streams the parameters from host memory and sends their
         gradients to it (``karma_fx.strategies.weights``), for steps whose weights do not fit. ``as_default``:
-        ``strategy`` stands for the default one (planned without the chunked twins)."""
+        ``strategy`` stands for the default one (planned without the chunked twins). ``as_written``: where the
+        default strategy is asked for and the step as written fits, that is the plan (as ``compile`` runs it);
+        a session planning for the room its other runs leave asks for a plan of the partition planned instead."""
         budget_bytes = parse_budget(budget, self.unplanned_peak_bytes)
         if self.twins and strategy in (None, DEFAULT_STRATEGY) and not offload_weights:
-            return self._plan_with_twins(budget_bytes, raise_if_infeasible, time_limit_s)
+            return self._plan_with_twins(budget_bytes, raise_if_infeasible, time_limit_s, as_written)
         chosen = self.strategy(strategy, offload_weights=offload_weights, time_limit_s=time_limit_s)
         t0 = time.perf_counter()
-        if self._as_written_fits(budget_bytes, None if as_default else strategy, offload_weights):
+        if as_written and self._as_written_fits(budget_bytes, None if as_default else strategy, offload_weights):
             raw = Plan(DEFAULT_STRATEGY, budget_bytes, status="KEEP", notes=("nothing moved: the step as compiled",))
         else:
             raw = chosen(self.problem, self.costs, budget_bytes)
@@ -187,17 +189,19 @@ class Prepared:
         """Where the step as written is Inductor's own partition, holding more than the one planned
         (``keep_all_excess``), and fits: the default strategy runs it as it is, as ``compile`` does (a plan of
         the strategy's that moves nothing would count the partition planned)."""
-        return (strategy in (None, DEFAULT_STRATEGY) and not offload_weights and bool(self.keep_all_excess)
-                and any(self.keep_all_excess[:2]) and self.unplanned_peak_bytes <= budget_bytes)
+        excess = self.keep_all_excess
+        return (strategy in (None, DEFAULT_STRATEGY) and not offload_weights and excess is not None
+                and (excess.forward or excess.backward) > 0 and self.unplanned_peak_bytes <= budget_bytes)
 
-    def _plan_with_twins(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None
-                         ) -> Planned:
+    def _plan_with_twins(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None,
+                         as_written: bool = True) -> Planned:
         """The loss head as a choice, as ``karma_fx.session`` makes it: the step as written wherever it fits;
         else this step planned, and each chunked twin with nothing else moved, or planned where that does not
         fit; the fastest that fits, else the leanest (a refusal naming the lowest floor of them)."""
         alone = self.strategy(None, time_limit_s=time_limit_s)  # an object: planned here without the twins
         if self.unplanned_peak_bytes <= budget_bytes:  # as the session: the step as written wherever it fits
-            return self.plan(budget_bytes, alone, raise_if_infeasible=raise_if_infeasible, as_default=True)
+            return self.plan(budget_bytes, alone, raise_if_infeasible=raise_if_infeasible, as_default=True,
+                             as_written=as_written)
         leanest = min([self] + self.twins, key=lambda p: p.min_peak_bytes())
         options = [] if self.min_peak_bytes() > budget_bytes and leanest is not self else [
             self.plan(budget_bytes, alone, raise_if_infeasible=False)]  # (below its floor: no plan of it fits)

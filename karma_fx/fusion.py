@@ -63,10 +63,10 @@ an overcount). Inductor's buffer reuse would hold a freed buffer past its last r
 nothing keeps it (Inductor's own estimate keeps it from raising the peak), a planned one is compiled without it
 (``karma_fx.inductor.PLANNED_CONFIG``). ``bench/inductor_overhead.py``: the measured peak is the plan's.
 
-``partition_peak_bytes`` puts the same model on an already partitioned step (a forward and a backward graph),
-so that two partitions of one joint graph can be compared: ``karma_fx.inductor.min_cut_partition`` uses it to
-keep Inductor's own partition for a plan that moves nothing only where that partition peaks no higher than
-the one the plan counted.
+``partition_peaks`` puts the same model on an already partitioned step (a forward and a backward graph),
+so that two partitions of one joint graph can be compared: ``karma_fx.inductor.min_cut_excess`` counts what
+Inductor's own partition (the step as written) holds above the one planned, and ``min_cut_partition`` keeps it
+for another plan that moves nothing only where it holds no more.
 
 What Inductor fuses is read from the FX graph by ``karma_fx.passes.fusible``; this module only prices it.
 
@@ -78,7 +78,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Collection, Union
 
 import torch
@@ -92,7 +92,7 @@ if TYPE_CHECKING:
     from karma_fx.device import DeviceSpec
 
 __all__ = ["delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem", "inlined_reads",
-           "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "partition_peak_bytes",
+           "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "PartitionPeaks",
            "partition_peaks", "saved_for_shapes_held", "written_in_place"]
 
 _FUSED_KINDS = ("activation", "temp")
@@ -450,12 +450,31 @@ def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], i
     return replace(_as_kernels_hold_it(allocated, fused, fusible), fused_kernels=True), timed
 
 
-def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int, int]:
-    """(forward peak, backward peak, bytes saved for the backward) of a training step already partitioned into
-    ``fw`` and ``bw`` (what AOTAutograd's partitioners return; the first ``num_fwd_outputs`` forward outputs are
-    the step's, the rest are saved for ``bw``, in its placeholders' order), nothing moved, as Inductor allocates
-    it (``inductor_problem``). Every placeholder counts as held all step, so only differences between
-    partitions of one joint graph are meaningful, not the numbers themselves."""
+@dataclass(frozen=True)
+class PartitionPeaks:
+    """What a partition of a training step into forward and backward graphs holds, nothing moved, as Inductor
+    allocates it (``partition_peaks``). Only differences between partitions of one joint graph mean anything:
+    every placeholder counts as held all step."""
+
+    forward: int
+    backward: int
+    saved: int
+    """Bytes the forward saves for the backward, the step's inputs and outputs aside (weights and inputs are
+    held anyway, views of them included; its outputs are the caller's)."""
+    saved_edges: frozenset[str]
+    """Names of the placeholders (inputs, weights) and of the step's outputs the forward saves for the
+    backward, directly or through a view: in a step of several regions they live on to the backward too."""
+
+    def no_more_than(self, other: "PartitionPeaks") -> bool:
+        """Holds no more than ``other`` in any phase, and saves no input or output it does not save."""
+        return (self.forward <= other.forward and self.backward <= other.backward and self.saved <= other.saved
+                and self.saved_edges <= other.saved_edges)
+
+
+def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> PartitionPeaks:
+    """What the training step already partitioned into ``fw`` and ``bw`` (what AOTAutograd's partitioners
+    return; the first ``num_fwd_outputs`` forward outputs are the step's, the rest are saved for ``bw``, in its
+    placeholders' order) holds, nothing moved, as Inductor allocates it (``inductor_problem``)."""
     from karma_fx.costs import estimate_costs
     from karma_fx.passes.capture import CapturedStep
     from karma_fx.passes.liveness import build_problem, storage_key
@@ -468,18 +487,27 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     timeline = simulate(problem, (), estimate_costs(problem), detail=False)
     memory = [b for _, b in timeline.memory]
     split = timeline.forward_items
+
+    def tensor(node: Any) -> Any:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        return val if isinstance(val, torch.Tensor) else None
+
+    edges: dict[Any, str] = {storage_key(tensor(n)): n.name for n in fw.graph.nodes
+                             if n.op == "placeholder" and tensor(n) is not None}
     output = next(n for n in fw.graph.nodes if n.op == "output")
+    for node in output.args[0][:num_fwd_outputs]:
+        if tensor(node) is not None:
+            edges.setdefault(storage_key(tensor(node)), node.name)
     storages: dict[Any, int] = {}
+    saved_edges: set[str] = set()
     for node in output.args[0][num_fwd_outputs:]:
-        if not isinstance(node, fx.Node) or node.op == "placeholder":  # a weight or input: held all step anyway
+        val = tensor(node)
+        if val is None:
             continue
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            storages[storage_key(val)] = val.untyped_storage().nbytes()
-    return max(memory[:split], default=0), max(memory[split:], default=0), sum(storages.values())
-
-
-def partition_peak_bytes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """The step's peak of ``partition_peaks``: only differences between partitions of one joint graph mean
-    anything."""
-    return max(partition_peaks(fw, bw, num_fwd_outputs)[:2])
+        key = storage_key(val)
+        if key in edges:
+            saved_edges.add(edges[key])
+        else:
+            storages[key] = val.untyped_storage().nbytes()
+    return PartitionPeaks(forward=max(memory[:split], default=0), backward=max(memory[split:], default=0),
+                          saved=sum(storages.values()), saved_edges=frozenset(saved_edges))

@@ -32,6 +32,7 @@ import copy
 import functools
 import itertools
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,7 +41,7 @@ import torch.fx as fx
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma before Inductor meets them
 
 __all__ = ["COPY_SAFE_CONFIG", "PLAN_SAFE_CONFIG", "PLANNED_CONFIG", "PlanOrder", "compile_region",
-           "min_cut_excess", "min_cut_partition"]
+           "KeepExcess", "min_cut_excess", "min_cut_partition"]
 
 PLAN_SAFE_CONFIG: dict[str, Any] = {
     "reorder_for_peak_memory": False,
@@ -69,7 +70,7 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, *, as_written: b
 
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-    from karma_fx.fusion import partition_peak_bytes
+    from karma_fx.fusion import partition_peaks
 
     options.setdefault("compiler", "inductor")
     if as_written:
@@ -85,20 +86,34 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, *, as_written: b
     if counted is None:
         return fw, bw
     try:
-        if partition_peak_bytes(fw, bw, num_fwd_outputs) > partition_peak_bytes(*counted, num_fwd_outputs):
+        if not partition_peaks(fw, bw, num_fwd_outputs).no_more_than(partition_peaks(*counted, num_fwd_outputs)):
             return counted
     except Exception:  # pragma: no cover - same
         logging.getLogger("karma_fx").debug("partition peaks not comparable; keeping min-cut", exc_info=True)
     return fw, bw
 
 
-def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class KeepExcess:
+    """What Inductor's own partition of a step (min-cut) holds above PyTorch's default partition, which the
+    planned problem models (``min_cut_excess``): per phase, 0 where it holds less (the phases' peaks come from a
+    model, which may be off either way); the bytes it saves for the backward, exact, less where it saves less."""
+
+    forward: int
+    backward: int
+    saved: int
+    """Bytes saved for the backward, inputs and outputs aside: negative where min-cut saves less."""
+    saved_edges: frozenset[str] = frozenset()
+    """Inputs (placeholder names) and outputs (node names) min-cut saves for the backward: counted as held
+    whether or not the default partition saves them."""
+
+
+def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> KeepExcess:
     """What Inductor's own partition of ``joint`` (min-cut) holds above PyTorch's default partition, which the
-    planned problem models: (forward peak, backward peak, bytes saved for the backward), each 0 where it holds
-    less. The step as written is Inductor's own (``min_cut_partition(as_written=True)``), so that at
-    ``budget=1.0`` it is exactly ``torch.compile``'s step (before, the default partition ran wherever min-cut
-    peaked higher: a 4-layer d=512 GPT peaked 303 KB lower than ``torch.compile``'s step and ran 2.5% slower).
-    Both partitions run on copies of ``joint``, which is left as it is."""
+    planned problem models. The step as written is Inductor's own (``min_cut_partition(as_written=True)``), so
+    that at ``budget=1.0`` it is exactly ``torch.compile``'s step (before, the default partition ran wherever
+    min-cut peaked higher: a 4-layer d=512 GPT peaked 303 KB lower than ``torch.compile``'s step and ran 2.5%
+    slower). Both partitions run on copies of ``joint``, which is left as it is."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     from karma_fx.fusion import partition_peaks
@@ -113,9 +128,11 @@ def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> 
 
     default = default_partition(copied(), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                 static_lifetime_input_indices=options.get("static_lifetime_input_indices"))
-    own = min_cut_rematerialization_partition(copied(), joint_inputs, **options)
-    theirs, ours = partition_peaks(*own, num_fwd_outputs), partition_peaks(*default, num_fwd_outputs)
-    return tuple(max(0, a - b) for a, b in zip(theirs, ours))  # type: ignore[return-value]
+    theirs = partition_peaks(*min_cut_rematerialization_partition(copied(), joint_inputs, **options),
+                             num_fwd_outputs)
+    ours = partition_peaks(*default, num_fwd_outputs)
+    return KeepExcess(forward=max(0, theirs.forward - ours.forward), backward=max(0, theirs.backward - ours.backward),
+                      saved=theirs.saved - ours.saved, saved_edges=theirs.saved_edges)
 
 
 def _partitioner(partition: Callable) -> Any:

@@ -152,7 +152,7 @@ def _against_the_step_as_written(region: Region, plan: Plan) -> Plan:
     parent = region.parent.prepared if region.parent is not None else None
     if parent is None:
         return plan
-    return plan.replace(unplanned_peak_bytes=parent.keep.peak_bytes,
+    return plan.replace(unplanned_peak_bytes=parent.unplanned_peak_bytes,
                         unlimited_step_time_us=round(parent.keep.makespan_us, 3))
 
 
@@ -181,10 +181,19 @@ def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) 
     excess = getattr(region.prepared, "keep_all_excess", None)
     if excess is None:
         return variant
-    fwd, bwd, held = excess
-    fp = replace(variant.fp, fwd_peak_bytes=variant.fp.fwd_peak_bytes + fwd,
-                 bwd_peak_bytes=variant.fp.bwd_peak_bytes + bwd,
-                 internal_held_bytes=variant.fp.internal_held_bytes + held)
+    # Inputs and outputs min-cut saves are held to the backward, whether or not the partition planned saves
+    # them (min-cut may save a region's input, which is free to it, where the default partition saves what it
+    # made of it)
+    alias = dict(region.prepared.problem.aliases)
+    edges = {alias.get(name, name) for name in excess.saved_edges}
+    boundary = region.boundary
+    fp = replace(variant.fp, fwd_peak_bytes=variant.fp.fwd_peak_bytes + excess.forward,
+                 bwd_peak_bytes=variant.fp.bwd_peak_bytes + excess.backward,
+                 internal_held_bytes=max(0, variant.fp.internal_held_bytes + excess.saved),
+                 inputs=tuple((b, saved or name in edges)
+                              for (b, saved), name in zip(variant.fp.inputs, boundary.inputs)),
+                 outputs=tuple((b, saved or (b > 0 and name in edges))
+                               for (b, saved), name in zip(variant.fp.outputs, boundary.outputs)))
     return Variant(plan=variant.plan, fp=fp, inductors_own=True)  # its peak counts the excess (``judge``)
 
 
@@ -221,8 +230,9 @@ def planned_variant(region: Region, config: KarmaConfig, target: int, budget_byt
             except InvalidPlanError as exc:
                 log.warning("karma_fx: the cached plan does not fit this graph (%s); planning again", exc)
     with planning(f"region {region.index} ({len(p.problem.ops)} ops)"):
+        # a plan of the partition planned: the step as written is the keep variant's (``keep_variant``)
         planned = p.plan(Budget(size_bytes=target), config.strategy, raise_if_infeasible=False,
-                         offload_weights=config.offload_weights, time_limit_s=config.time_limit_s)
+                         offload_weights=config.offload_weights, time_limit_s=config.time_limit_s, as_written=False)
     log.info("karma_fx: region %d planned at %s: %s, %s, peak %s", region.index, format_bytes(target),
              planned.plan.strategy, planned.plan.status, format_bytes(planned.plan.peak_bytes))
     if cache is not None and key is not None:
