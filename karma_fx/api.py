@@ -191,7 +191,7 @@ class Prepared:
         the strategy's that moves nothing would count the partition planned)."""
         excess = self.keep_all_excess
         return (strategy in (None, DEFAULT_STRATEGY) and not offload_weights and excess is not None
-                and (excess.forward or excess.backward) > 0 and self.unplanned_peak_bytes <= budget_bytes)
+                and max(excess.forward, excess.backward) > 0 and self.unplanned_peak_bytes <= budget_bytes)
 
     def _plan_with_twins(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None,
                          as_written: bool = True) -> Planned:
