@@ -461,9 +461,11 @@ class PartitionPeaks:
     saved: int
     """Bytes the forward saves for the backward, the step's inputs and outputs aside (weights and inputs are
     held anyway, views of them included; its outputs are the caller's)."""
-    saved_edges: frozenset[str]
-    """Names of the placeholders (inputs, weights) and of the step's outputs the forward saves for the
-    backward, directly or through a view: in a step of several regions they live on to the backward too."""
+    saved_edges: frozenset[tuple[str, int]]
+    """The placeholders (inputs, weights: ``("input", position)``) and the step's outputs (``("output",
+    position)`` among the forward's first outputs) the forward saves for the backward, directly or through a
+    view: in a step of several regions they live on to the backward too. By position, not name: the graph a
+    plan counts may name them otherwise (a dropout split, ``passes.dropout``)."""
 
     def no_more_than(self, other: "PartitionPeaks") -> bool:
         """Holds no more than ``other`` in any phase, and saves no input or output it does not save."""
@@ -492,14 +494,15 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         return val if isinstance(val, torch.Tensor) else None
 
-    edges: dict[Any, str] = {storage_key(tensor(n)): n.name for n in fw.graph.nodes
-                             if n.op == "placeholder" and tensor(n) is not None}
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    edges: dict[Any, tuple[str, int]] = {storage_key(tensor(n)): ("input", i) for i, n in enumerate(placeholders)
+                                         if tensor(n) is not None}
     output = next(n for n in fw.graph.nodes if n.op == "output")
-    for node in output.args[0][:num_fwd_outputs]:
+    for j, node in enumerate(output.args[0][:num_fwd_outputs]):
         if tensor(node) is not None:
-            edges.setdefault(storage_key(tensor(node)), node.name)
+            edges.setdefault(storage_key(tensor(node)), ("output", j))
     storages: dict[Any, int] = {}
-    saved_edges: set[str] = set()
+    saved_edges: set[tuple[str, int]] = set()
     for node in output.args[0][num_fwd_outputs:]:
         val = tensor(node)
         if val is None:

@@ -103,9 +103,9 @@ class KeepExcess:
     backward: int
     saved: int
     """Bytes saved for the backward, inputs and outputs aside: negative where min-cut saves less."""
-    saved_edges: frozenset[str] = frozenset()
-    """Inputs (placeholder names) and outputs (node names) min-cut saves for the backward: counted as held
-    whether or not the default partition saves them."""
+    saved_edges: frozenset[tuple[str, int]] = frozenset()
+    """Inputs and outputs min-cut saves for the backward, by position (``fusion.PartitionPeaks.saved_edges``):
+    counted as held whether or not the default partition saves them."""
 
 
 def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> KeepExcess:

@@ -183,17 +183,15 @@ def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) 
         return variant
     # Inputs and outputs min-cut saves are held to the backward, whether or not the partition planned saves
     # them (min-cut may save a region's input, which is free to it, where the default partition saves what it
-    # made of it)
-    alias = dict(region.prepared.problem.aliases)
-    edges = {alias.get(name, name) for name in excess.saved_edges}
-    boundary = region.boundary
+    # made of it); the step's outputs start after the buffers it updates (``boundary_of``)
+    mutated = sum(1 for k in region.kinds if k == "buffer")
     fp = replace(variant.fp, fwd_peak_bytes=variant.fp.fwd_peak_bytes + excess.forward,
                  bwd_peak_bytes=variant.fp.bwd_peak_bytes + excess.backward,
                  internal_held_bytes=max(0, variant.fp.internal_held_bytes + excess.saved),
-                 inputs=tuple((b, saved or name in edges)
-                              for (b, saved), name in zip(variant.fp.inputs, boundary.inputs)),
-                 outputs=tuple((b, saved or (b > 0 and name in edges))
-                               for (b, saved), name in zip(variant.fp.outputs, boundary.outputs)))
+                 inputs=tuple((b, saved or ("input", i) in excess.saved_edges)
+                              for i, (b, saved) in enumerate(variant.fp.inputs)),
+                 outputs=tuple((b, saved or (b > 0 and ("output", mutated + j) in excess.saved_edges))
+                               for j, (b, saved) in enumerate(variant.fp.outputs)))
     return Variant(plan=variant.plan, fp=fp, inductors_own=True)  # its peak counts the excess (``judge``)
 
 

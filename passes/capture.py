@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -227,7 +228,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
                 excess = min_cut_excess(joint, joint_inputs, **kw)
                 captured["keep_all_excess"] = lambda: excess
             except Exception:  # noqa: BLE001 - planned as the partition planned, as compile then runs it
-                pass
+                logging.getLogger("karma_fx").debug("Inductor's own partition not priced", exc_info=True)
         captured["joint"] = split_dropout(joint, not inductor)
         captured["joint_inputs"] = joint_inputs
         captured["num_fwd_outputs"] = kw["num_fwd_outputs"]
