@@ -252,7 +252,7 @@ class KarmaBackend:
 
             def inductors_own(*args: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
                 # the step as written where the plan is that step and its footprint counts Inductor's own
-                # partition; otherwise min-cut only where it peaks no higher than the partition planned
+                # partition; otherwise min-cut only where it holds no more than the partition planned
                 variant = chosen.get("variant")
                 return min_cut_partition(*args, as_written=variant is not None and variant.inductors_own,
                                          **kwargs)
