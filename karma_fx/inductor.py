@@ -28,7 +28,6 @@ Example::
 from __future__ import annotations
 
 import bisect
-import copy
 import functools
 import itertools
 import weakref
@@ -117,18 +116,13 @@ def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> 
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     from karma_fx.fusion import partition_peaks
+    from karma_fx.passes.capture import copy_graph
 
     num_fwd_outputs = options["num_fwd_outputs"]
     options = {**options, "compiler": options.get("compiler", "inductor")}
-
-    def copied() -> fx.GraphModule:
-        gm = fx.GraphModule(joint, copy.deepcopy(joint.graph))
-        gm.meta.update(joint.meta)
-        return gm
-
-    default = default_partition(copied(), joint_inputs, num_fwd_outputs=num_fwd_outputs,
+    default = default_partition(copy_graph(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                 static_lifetime_input_indices=options.get("static_lifetime_input_indices"))
-    theirs = partition_peaks(*min_cut_rematerialization_partition(copied(), joint_inputs, **options),
+    theirs = partition_peaks(*min_cut_rematerialization_partition(copy_graph(joint), joint_inputs, **options),
                              num_fwd_outputs)
     ours = partition_peaks(*default, num_fwd_outputs)
     return KeepExcess(forward=max(0, theirs.forward - ours.forward), backward=max(0, theirs.backward - ours.backward),
@@ -307,8 +301,9 @@ def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of a Dynamo region with a graph of its own, keeping what AOTAutograd reads to know it came from
     Dynamo (where each input comes from, so that parameters are static inputs: without it the partitioner
     saves other tensors and the step is no longer exactly Inductor's)."""
-    own = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    own.meta.update(gm.meta)
+    from karma_fx.passes.capture import copy_graph
+
+    own = copy_graph(gm)
     if hasattr(gm, "_param_name_to_source"):
         own._param_name_to_source = gm._param_name_to_source  # type: ignore[assignment]
     for mine, theirs in zip(own.graph.nodes, gm.graph.nodes):

@@ -178,7 +178,7 @@ def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) 
     the one planned added to the footprint (the unplanned step a fraction is of is then ``torch.compile``'s)."""
     variant = judged(region, Plan(_strategy_name(config, "keep"), 0, status="KEEP",
                                   notes=("nothing moved: the step as compiled",)), config, budget_bytes)
-    excess = getattr(region.prepared, "keep_all_excess", None)
+    excess = region.prepared.keep_all_excess
     if excess is None:
         return variant
     # Inputs and outputs min-cut saves are held to the backward, whether or not the partition planned saves

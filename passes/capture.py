@@ -101,13 +101,18 @@ def _fresh(head: Any) -> Any:
 
 
 def copy_joint(step: "CapturedStep") -> fx.GraphModule:
-    """A copy of ``step.joint`` whose graph a pass may edit: the graph and its nodes are copied, the module's
-    tensor attributes (a model's constants) are shared, not cloned. Passes edit graphs, never constants, and
-    cloning a real constant inside AOTAutograd's partitioner runs under its fake mode, which torch 2.11
-    refuses (T5's position-bias constant: "set the storage of a tensor on device meta to ... cpu")."""
-    joint = fx.GraphModule(step.joint, copy.deepcopy(step.joint.graph))
-    joint.meta.update(step.joint.meta)
-    return joint
+    """A copy of ``step.joint`` whose graph a pass may edit (``copy_graph``)."""
+    return copy_graph(step.joint)
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph a pass may edit: the graph and its nodes are copied, the module's tensor
+    attributes (a model's constants) are shared, not cloned. Passes edit graphs, never constants, and cloning a
+    real constant inside AOTAutograd's partitioner runs under its fake mode, which torch 2.11 refuses (T5's
+    position-bias constant: "set the storage of a tensor on device meta to ... cpu")."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta.update(gm.meta)
+    return copied
 
 
 def _flatten_outputs(out: Any, loss_only: bool) -> tuple[torch.Tensor, ...]:
@@ -220,11 +225,10 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
         # a dropout output can then be rebuilt from its mask
         if inductor:
-            joint = _inductor_joint_passes(joint, joint_inputs)
-        if inductor:  # what the step as written (Inductor's own partition) holds above the partition planned
             from karma_fx.inductor import min_cut_excess
 
-            try:
+            joint = _inductor_joint_passes(joint, joint_inputs)
+            try:  # what the step as written (Inductor's own partition) holds above the partition planned
                 excess = min_cut_excess(joint, joint_inputs, **kw)
                 captured["keep_all_excess"] = lambda: excess
             except Exception:  # noqa: BLE001 - planned as the partition planned, as compile then runs it
