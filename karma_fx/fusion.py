@@ -130,6 +130,16 @@ def delayed_matmuls(problem: Problem) -> Problem:
     add reads ``a`` and ``b`` too, and the product, written into the add's output, has 0 bytes."""
     delayed: dict[int, tuple[str, ...]] = {}
     gone: set[str] = set()
+    for k, a in _addmm_rewrites(problem):
+        op, add = problem.ops[k], problem.ops[a]
+        delayed[a] = delayed.get(a, ()) + tuple(i for i in op.inputs if i not in add.inputs)
+        gone.add(op.outputs[0])
+    return _with_more_inputs(problem, delayed, gone)
+
+
+def _addmm_rewrites(problem: Problem) -> list[tuple[int, int]]:
+    """(matmul, add) op indices of each ``add(mm(a, b), c)`` Inductor's post-grad pass rewrites to ``addmm``."""
+    found = []
     for k, op in enumerate(problem.ops):
         if op.target != "aten.mm.default" or len(op.outputs) != 1:
             continue
@@ -140,9 +150,16 @@ def delayed_matmuls(problem: Problem) -> Problem:
         if (add.target != "aten.add.Tensor" or add.phase != op.phase or len(add.outputs) != 1
                 or problem.storage(add.outputs[0]).size_bytes != out.size_bytes):
             continue
-        delayed[out.users[0]] = delayed.get(out.users[0], ()) + tuple(i for i in op.inputs if i not in add.inputs)
-        gone.add(out.name)
-    return _with_more_inputs(problem, delayed, gone)
+        found.append((k, out.users[0]))
+    return found
+
+
+def _without_addmm_adds(problem: Problem, fusible: Collection[str]) -> frozenset[str]:
+    """``fusible`` less the adds Inductor rewrites to ``addmm`` (``delayed_matmuls``): an extern kernel, which
+    reads realised buffers, ends a run of loop ops and writes a buffer of its own. Counted as a loop op, a
+    tied embedding's gradient sum joined the loop kernel before it (the embedding's scatter and its layer
+    norm's backward), whose buffers were then held until it (a BERT step 4.7% over its peak)."""
+    return frozenset(fusible) - {problem.ops[a].name for _, a in _addmm_rewrites(problem)}
 
 
 def loop_runs(problem: Problem, fusible: Collection[str]) -> tuple[tuple[int, ...], ...]:
@@ -243,7 +260,7 @@ def inlined_reads(problem: Problem, fused: Collection[str]) -> Problem:
     return _with_more_inputs(problem, more, ())
 
 
-def written_in_place(problem: Problem, fusible: Collection[str]) -> Problem:
+def written_in_place(problem: Problem, fusible: Collection[str], saved_too: bool = False) -> Problem:
     """``problem`` with Inductor's in-place writes: a kernel writes its output into an input buffer of the same
     size that dies there (``inplace_buffers``), so the output costs nothing and the input's buffer lives as long
     as the output. Once its readers read what a fused value is computed from (``inlined_reads``), an input often
@@ -256,8 +273,18 @@ def written_in_place(problem: Problem, fusible: Collection[str]) -> Problem:
     Not exact for a graph that swaps tensors out: Inductor compiles it without in-place buffers
     (``karma_fx.inductor.COPY_SAFE_CONFIG``), so under a plan that offloads in the forward, a forward write
     counted here as in place is a buffer of its own (the problem is built before any plan, so it cannot tell);
-    the probes that offload held within their budgets (``bench/budget_probes.py``), but this is a known gap."""
+    the probes that offload held within their budgets (``bench/budget_probes.py``), but this is a known gap.
+
+    ``saved_too``: a saved activation the backward reads for the last time may be written over as well, as in
+    a step Inductor compiles with its own settings (the step as written, ``partition_peaks(as_compiled=True)``):
+    the backward frees its inputs as it goes, and a decoder's logits gradient is written over the saved logits
+    (``buf1 = mm; del mm  # reuse``). Not in a planned problem: a saved activation a plan offloads comes back in
+    a buffer Inductor did not allocate (``karma.prefetch``'s), which it never writes over. Counted in place there
+    too, a 4-layer d=512 GPT's plan at 0.5 of its peak ran 1.4% above it (a 2 MiB reload); a plan of which saved
+    activations it offloads decides which writes happen, and the problem is built before any plan.
+    """
     fusible = frozenset(fusible)
+    nf = problem.num_fwd_ops
     run_of = {k: r for r, run in enumerate(loop_runs(problem, fusible)) for k in run}
     holder: dict[str, str] = {}
     readers = {s.name: list(s.users) for s in problem.storages}
@@ -267,6 +294,12 @@ def written_in_place(problem: Problem, fusible: Collection[str]) -> Problem:
         s = problem.storage(name)
         return (s.kind in _FUSED_KINDS and not s.is_output and s.producer is not None
                 and problem.ops[s.producer].phase == phase and all(problem.ops[u].phase == phase for u in s.users))
+
+    def free_to_write_over(name: str, phase: str) -> bool:
+        s = problem.storage(name)
+        return one_phase_temp(name, phase) or (
+            saved_too and phase == "bwd" and s.kind == "activation" and not s.is_output and s.producer is not None
+            and s.producer < nf and any(u >= nf for u in s.users))
 
     emptied: set[str] = set()
     for k, op in enumerate(problem.ops):
@@ -281,7 +314,7 @@ def written_in_place(problem: Problem, fusible: Collection[str]) -> Problem:
                 made_by = problem.storage(name).producer
                 if made_by is not None and k in run_of and run_of.get(made_by) == run_of[k]:
                     continue
-                if (h in taken or not one_phase_temp(name, op.phase) or not one_phase_temp(h, op.phase)
+                if (h in taken or not free_to_write_over(name, op.phase) or not free_to_write_over(h, op.phase)
                         or sizes[h] != sizes[out] or max(readers[h], default=-1) != k):
                     continue
                 taken.add(h)
@@ -298,23 +331,28 @@ def written_in_place(problem: Problem, fusible: Collection[str]) -> Problem:
     return _with_more_inputs(problem, {k: tuple(v) for k, v in more.items()}, emptied)
 
 
-def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collection[str]) -> Problem:
+def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collection[str], *,
+                     saved_in_place: bool = False) -> Problem:
     """``problem`` as Inductor allocates it: each fused storage (``fused_storages``) has 0 bytes and its readers
     read what it is computed from (``inlined_reads``), the matmuls of ``addmm`` rewrites run late
     (``delayed_matmuls``), what a run of loop ops writes lives until the run ends
     (``outputs_held_through_runs``), and a temporary written over a dying input of its size costs nothing
-    (``written_in_place``). Names and ops are unchanged (some ops read more, some storages are 0 bytes), so
-    plans made on it apply to the graph ``problem`` was built from."""
+    (``written_in_place``; ``saved_in_place``: a saved activation too, as in a step compiled with Inductor's
+    own settings). Names and ops are unchanged (some ops read more, some storages are 0 bytes), so plans made
+    on it apply to the graph ``problem`` was built from."""
+    fusible = _without_addmm_adds(problem, fusible)
     fused = fused_storages(problem, fusible, inlined)
-    return replace(_as_kernels_hold_it(_allocated(problem, fused), fused, fusible), fused_kernels=True)
+    return replace(_as_kernels_hold_it(_allocated(problem, fused), fused, fusible, saved_in_place),
+                   fused_kernels=True)
 
 
-def _as_kernels_hold_it(allocated: Problem, fused: frozenset[str], fusible: Collection[str]) -> Problem:
+def _as_kernels_hold_it(allocated: Problem, fused: frozenset[str], fusible: Collection[str],
+                        saved_in_place: bool = False) -> Problem:
     """``allocated`` (fused storages at 0 bytes) with the lifetimes Inductor's kernels give: sources read where
     a fused value is inlined, a run's outputs held to its end, and, last, buffers written over (a buffer written
     over lives as long as what was written into it)."""
     held = outputs_held_through_runs(inlined_reads(allocated, fused), fusible)
-    return written_in_place(saved_for_shapes_held(held), fusible)
+    return written_in_place(saved_for_shapes_held(held), fusible, saved_in_place)
 
 
 def saved_for_shapes_held(problem: Problem) -> Problem:
@@ -443,6 +481,7 @@ def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], i
     """The problem and costs of a step Inductor compiles: memory as it allocates it (``inductor_problem``) and
     time as it runs the kernels (``kernel_costs``), both from the same fusion decisions. ``costs`` are those
     of the unfused ops of ``problem`` (a roofline on ``device``, or ``measured``)."""
+    fusible = _without_addmm_adds(problem, fusible)
     fused = fused_storages(problem, fusible, inlined)
     allocated = _allocated(problem, fused)
     # costed before the runs' held outputs are added as reads: a kernel reads its inputs, not those
@@ -473,10 +512,13 @@ class PartitionPeaks:
                 and self.saved_edges <= other.saved_edges)
 
 
-def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> PartitionPeaks:
+def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
+                    as_compiled: bool = False) -> PartitionPeaks:
     """What the training step already partitioned into ``fw`` and ``bw`` (what AOTAutograd's partitioners
     return; the first ``num_fwd_outputs`` forward outputs are the step's, the rest are saved for ``bw``, in its
-    placeholders' order) holds, nothing moved, as Inductor allocates it (``inductor_problem``)."""
+    placeholders' order) holds, nothing moved, as Inductor allocates it (``inductor_problem``); ``as_compiled``:
+    compiled with Inductor's own settings, which write over saved activations too (``written_in_place``), as
+    the step as written is, or else as the planned problem counts it."""
     from karma_fx.costs import estimate_costs
     from karma_fx.passes.capture import CapturedStep
     from karma_fx.passes.liveness import build_problem, storage_key
@@ -485,7 +527,8 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     joint = stitched(fw, bw, num_fwd_outputs)
     step = CapturedStep(joint=joint, primal_kinds=(), primal_names=(), num_fwd_outputs=num_fwd_outputs,
                         output_names=())
-    problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph))
+    problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph),
+                               saved_in_place=as_compiled)
     timeline = simulate(problem, (), estimate_costs(problem), detail=False)
     memory = [b for _, b in timeline.memory]
     split = timeline.forward_items
