@@ -79,10 +79,19 @@ class Prepared:
     def min_peak_bytes(self) -> int:
         """The lowest peak of the plans known (``karma_fx.strategies.leanest``): every saved activation swapped
         out synchronously right after its last forward read and fetched back just in time; without a host link
-        the leanest recompute-only plan. The default strategy fits a budget of this many bytes."""
+        the leanest recompute-only plan. The default strategy fits a budget of this many bytes. Under Inductor,
+        the step as written where it peaks lower still (``floor_as_written``)."""
         if self._min_peak is None:
             self._min_peak = leanest_peak(self.problem, self.costs)
+            if self.keep_all_excess is not None:
+                self._min_peak = min(self._min_peak, self.unplanned_peak_bytes)
         return self._min_peak
+
+    def floor_as_written(self) -> bool:
+        """Whether the lowest peak known is the step as written: Inductor's own partition, recomputing what the
+        partition planned saves, may peak below every plan of the latter (a small region whose min-cut
+        partition saves nothing)."""
+        return self.keep_all_excess is not None and self.min_peak_bytes() == self.unplanned_peak_bytes
 
     def _floor_splits(self) -> bool:
         """Whether the leanest plan splits kernels along the batch (``karma_fx.split``)."""
@@ -168,7 +177,9 @@ class Prepared:
                    if self.costs.allow_offload else
                    "the leanest recompute-only plan known, rebuilding from checkpoints, which strategy='cpsat' "
                    "reaches")
-            if not self.problem.saved_activations() and not self.costs.allow_offload:
+            if not offload_weights and self.floor_as_written():
+                how = "nothing moved: the step as written, Inductor's own partition"
+            elif not self.problem.saved_activations() and not self.costs.allow_offload:
                 how = ("the leanest plan general rematerialization (strategy='remat') finds, which strategy='cpsat' "
                        "reaches" if floor < self.unplanned_peak_bytes else
                        "nothing moved: general rematerialization (strategy='remat') finds no drop that lowers the "
@@ -186,12 +197,12 @@ class Prepared:
                        seconds={**self.seconds, "strategy": solve_s})
 
     def _as_written_fits(self, budget_bytes: int, strategy: Any, offload_weights: bool) -> bool:
-        """Where the step as written is Inductor's own partition, holding more than the one planned
-        (``keep_all_excess``), and fits: the default strategy runs it as it is, as ``compile`` does (a plan of
-        the strategy's that moves nothing would count the partition planned)."""
+        """Where the step as written is Inductor's own partition (``keep_all_excess``) and fits: the default
+        strategy runs it as it is, as ``compile`` does (a plan of the strategy's that moves nothing would count
+        the partition planned, which may hold more or less)."""
         excess = self.keep_all_excess
         return (strategy in (None, DEFAULT_STRATEGY) and not offload_weights and excess is not None
-                and max(excess.forward, excess.backward) > 0 and self.unplanned_peak_bytes <= budget_bytes)
+                and self.unplanned_peak_bytes <= budget_bytes)
 
     def _plan_with_twins(self, budget_bytes: int, raise_if_infeasible: bool, time_limit_s: float | None,
                          as_written: bool = True) -> Planned:

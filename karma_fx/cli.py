@@ -542,8 +542,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print()
     print(f"unplanned peak     {format_bytes(prepared.unplanned_peak_bytes)}")
     print(f"unlimited step     {keep.makespan_us / 1e3:,.3f} ms")
-    how = (LEANEST_SWAPS if prepared.costs.allow_offload
-           else "the leanest recompute-only plan known")
+    how = ("nothing moved: the step as written" if prepared.floor_as_written() else
+           LEANEST_SWAPS if prepared.costs.allow_offload else "the leanest recompute-only plan known")
     print(f"smallest peak      {format_bytes(prepared.min_peak_bytes())} ({how}: the smallest budget known to work)")
     if not args.quiet:
         print(f"capture            {_seconds(prepared.seconds, ('build', 'capture', 'liveness', 'costs'))}")

@@ -620,12 +620,19 @@ class Session:
         return region.keep
 
     def _leanest(self, region: Region) -> Variant:
-        """The leanest plan known, with the loss head chunked where that is leaner."""
+        """The leanest plan known, with the loss head chunked where that is leaner; under the default strategy,
+        the step as written where that is leaner still (Inductor's own partition may recompute what every plan
+        of the partition planned saves: a small region whose min-cut partition saves nothing)."""
         if region.leanest is None:
             lean = leanest_variant(region, self.config, self.budget_bytes)
             for twin in region.twins:
                 other = leanest_variant(twin, self.config, self.budget_bytes)
                 lean = other if other.fp.peak_bytes < lean.fp.peak_bytes else lean
+            if self.config.strategy == DEFAULT_STRATEGY and region.prepared.keep_all_excess is not None:
+                keep = self._keep(region)
+                if keep.fp.peak_bytes < lean.fp.peak_bytes:
+                    region.leanest = keep
+                    return keep
             region.leanest = lean
             region.variants.append(region.leanest)
         return region.leanest
