@@ -6,7 +6,9 @@
 
 Per model, three steady steps are measured with the allocator's events (``AllocatorPeak``: the weights, buffers
 and batch, plus the highest running sum of allocations during forward, loss and backward; every second step, so
-that karma's own measuring runs are outside them): plain ``torch.compile`` (Inductor's own step), and
+that karma's own measuring runs are outside them; the step's outputs held until the backward has run, as a
+training loop that keeps ``outputs = model(**batch)`` holds them and as karma's model counts them: a decoder's
+logits dropped before the backward lower the peak by their size): plain ``torch.compile`` (Inductor's own step), and
 ``karma_fx.compile(model, budget=b, compiler="inductor")`` at ``b=1.0`` (nothing moves) and at the budgets asked
 for (``--budgets``). Each karma row prints the peak karma predicted for the step that ran
 (``predicted_peak_bytes``) and how far the allocator's peak is from it: the issue's target is within 2%.
@@ -39,7 +41,9 @@ def _steady_peak(model: torch.nn.Module, step, args: tuple, kwargs: dict, steps:
             output_to_loss(step(*args, **kwargs)).backward()
             continue
         with AllocatorPeak(held) as meter:
-            output_to_loss(step(*args, **kwargs)).backward()
+            output = step(*args, **kwargs)  # held through the backward, as a training loop holds it
+            output_to_loss(output).backward()
+            del output
         peaks.append(meter.peak_bytes)
     return max(peaks)
 
