@@ -228,10 +228,13 @@ class Prepared:
             best = min(fitting, key=lambda p: p.plan.step_time_us or 0.0)
         elif raise_if_infeasible:
             chunks = " or ".join(str(t.loss_chunk) for t in self.twins)
+            how = (f"{LEANEST_SWAPS}, which strategy='cpsat' can reach" if not leanest.floor_as_written() else
+                   "nothing moved: the step as written, Inductor's own partition"
+                   + (f", the loss head {leanest.loss_chunk} tokens at a time" if leanest.loss_chunk else ""))
             raise InfeasibleBudgetError(
                 f"{self.problem.name} does not fit in {format_bytes(budget_bytes)}, its loss head whole or chunked "
                 f"({chunks} tokens at a time): the smallest budget known to work is {format_bytes(floor)} "
-                f"({floor} bytes: {LEANEST_SWAPS}, which strategy='cpsat' can reach); the unplanned peak is "
+                f"({floor} bytes: {how}); the unplanned peak is "
                 f"{format_bytes(self.unplanned_peak_bytes)}.",
                 min_budget_bytes=floor, budget_bytes=budget_bytes)
         else:

@@ -157,3 +157,26 @@ def test_below_every_plan_of_saved_activations_cpsat_falls_back_to_the_leanest_p
     assert plan.status == "FALLBACK:leanest" and plan.fits and plan.lower_bound_us is None
     assert any(isinstance(d, Offload) and prep.problem.is_backward(prep.problem.storage(d.tensor).producer)
                for d in plan.decisions)
+
+
+def test_where_the_step_as_written_peaks_below_every_plan_it_is_the_floor():
+    """Under Inductor the step as written is min-cut's partition, which may hold less than every plan of the
+    partition planned (it recomputes what the default partition saves). Then it is the smallest budget known to
+    work: planned there it runs as written, and a byte less is refused naming it and saying what it is."""
+    from karma_fx.inductor import KeepExcess
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    prep = karma_fx.prepare(model, (torch.randn(32, 64),), compiler="inductor")
+    leanest = prep.min_peak_bytes()
+    # an excess large enough to put the step as written under the leanest plan, in both phases
+    prep.keep_all_excess = KeepExcess(forward=-prep.keep.peak_bytes, backward=leanest - prep.keep.peak_bytes - 1,
+                                      saved=0)
+    prep._min_peak = None
+    floor = prep.min_peak_bytes()
+    assert floor == prep.unplanned_peak_bytes == leanest - 1 and prep.floor_as_written()
+    planned = prep.plan(floor).plan
+    assert planned.status == "KEEP" and not planned.decisions and planned.peak_bytes == floor
+    with pytest.raises(InfeasibleBudgetError) as exc:
+        prep.plan(floor - 1)
+    assert exc.value.min_budget_bytes == floor and "the step as written" in str(exc.value)
