@@ -71,20 +71,23 @@ class Prepared:
         """The step as written: under Inductor its own partition's, where that holds more than the one planned."""
         if not self.keep_all_excess:
             return self.keep.peak_bytes
+        from karma_fx.inductor import phase_excess
+
         memory = [b for _, b in self.keep.memory]
         split = self.keep.forward_items
-        fwd, bwd = self.keep_all_excess.forward, self.keep_all_excess.backward
+        fwd, bwd = phase_excess(self.keep_all_excess, self.problem)
         return max(max(memory[:split], default=0) + fwd, max(memory[split:], default=0) + bwd)
 
-    def min_peak_bytes(self) -> int:
+    def min_peak_bytes(self, as_written: bool = True) -> int:
         """The lowest peak of the plans known (``karma_fx.strategies.leanest``): every saved activation swapped
         out synchronously right after its last forward read and fetched back just in time; without a host link
         the leanest recompute-only plan. The default strategy fits a budget of this many bytes. Under Inductor,
-        the step as written where it peaks lower still (``floor_as_written``)."""
+        the step as written where it peaks lower still (``floor_as_written``), which only the default strategy
+        runs (``as_written=False``: a strategy named plans the partition planned)."""
         if self._min_peak is None:
             self._min_peak = leanest_peak(self.problem, self.costs)
-            if self.keep_all_excess is not None:
-                self._min_peak = min(self._min_peak, self.unplanned_peak_bytes)
+        if as_written and self.keep_all_excess is not None:
+            return min(self._min_peak, self.unplanned_peak_bytes)
         return self._min_peak
 
     def floor_as_written(self) -> bool:
@@ -168,8 +171,9 @@ class Prepared:
         solve_s = time.perf_counter() - t0
         plan, timeline = self.judge(raw)
         if raise_if_infeasible and not plan.fits:
+            default = strategy in (None, DEFAULT_STRATEGY) or as_default
             floor = (leanest_peak(self.problem, self.costs, stream_weights=True) if offload_weights
-                     else self.min_peak_bytes())
+                     else self.min_peak_bytes(as_written=default))
             how = (LEANEST_SWAPS
                    + (", convolutions run a piece of the batch at a time"
                       if not offload_weights and self._floor_splits() else "")
@@ -177,7 +181,7 @@ class Prepared:
                    if self.costs.allow_offload else
                    "the leanest recompute-only plan known, rebuilding from checkpoints, which strategy='cpsat' "
                    "reaches")
-            if not offload_weights and self.floor_as_written():
+            if not offload_weights and default and self.floor_as_written():
                 how = "nothing moved: the step as written, Inductor's own partition"
             elif not self.problem.saved_activations() and not self.costs.allow_offload:
                 how = ("the leanest plan general rematerialization (strategy='remat') finds, which strategy='cpsat' "

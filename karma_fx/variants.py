@@ -184,9 +184,12 @@ def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) 
     # Inputs and outputs min-cut saves are held to the backward, whether or not the partition planned saves
     # them (min-cut may save a region's input, which is free to it, where the default partition saves what it
     # made of it); the step's outputs start after the buffers it updates (``boundary_of``)
+    from karma_fx.inductor import phase_excess
+
     mutated = sum(1 for k in region.kinds if k == "buffer")
-    fp = replace(variant.fp, fwd_peak_bytes=variant.fp.fwd_peak_bytes + excess.forward,
-                 bwd_peak_bytes=variant.fp.bwd_peak_bytes + excess.backward,
+    fwd, bwd = phase_excess(excess, region.prepared.problem)
+    fp = replace(variant.fp, fwd_peak_bytes=variant.fp.fwd_peak_bytes + fwd,
+                 bwd_peak_bytes=variant.fp.bwd_peak_bytes + bwd,
                  internal_held_bytes=max(0, variant.fp.internal_held_bytes + excess.saved),
                  inputs=tuple((b, saved or ("input", i) in excess.saved_edges)
                               for i, (b, saved) in enumerate(variant.fp.inputs)),
