@@ -621,8 +621,11 @@ class Session:
 
     def _leanest(self, region: Region) -> Variant:
         """The leanest plan known, with the loss head chunked where that is leaner; under the default strategy,
-        the step as written where that is leaner still (Inductor's own partition may recompute what every plan
-        of the partition planned saves: a small region whose min-cut partition saves nothing)."""
+        the step as written where it holds no more in any way the step counts (Inductor's own partition may
+        recompute what every plan of the partition planned saves: a small region whose min-cut partition saves
+        nothing). Not by its own peak alone: what a region keeps for its backward is held while later regions
+        run, and a step as written peaking lower but keeping 11 MiB the leanest plan swaps out made a two-region
+        step refuse a budget the leanest plans fitted."""
         if region.leanest is None:
             lean = leanest_variant(region, self.config, self.budget_bytes)
             for twin in region.twins:
@@ -630,7 +633,7 @@ class Session:
                 lean = other if other.fp.peak_bytes < lean.fp.peak_bytes else lean
             if self.config.strategy == DEFAULT_STRATEGY and region.prepared.keep_all_excess is not None:
                 keep = self._keep(region)
-                if keep.fp.peak_bytes < lean.fp.peak_bytes:
+                if _no_more(keep.fp, lean.fp):
                     region.leanest = keep
                     return keep
             region.leanest = lean
@@ -696,3 +699,9 @@ def _profiling() -> bool:
 
 def _name(strategy: Any) -> str:
     return strategy if isinstance(strategy, str) else getattr(strategy, "name", type(strategy).__name__)
+
+
+def _no_more(a: Footprint, b: Footprint) -> bool:
+    """Whether footprint ``a`` holds no more than ``b`` in either phase, nor across its forward and backward."""
+    return (a.fwd_peak_bytes <= b.fwd_peak_bytes and a.bwd_peak_bytes <= b.bwd_peak_bytes
+            and a.held_bytes <= b.held_bytes and a.peak_bytes < b.peak_bytes)
