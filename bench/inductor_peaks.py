@@ -38,10 +38,12 @@ def _steady_peak(model: torch.nn.Module, step, args: tuple, kwargs: dict, steps:
             p.grad = None
         gc.collect()
         if i % 2 == 0:
-            output_to_loss(step(*args, **kwargs)).backward()
+            output = step(*args, **kwargs)  # held through the backward, as a training loop holds it, every
+            output_to_loss(output).backward()  # step (karma learns from the steps it measures whether it is)
+            del output
             continue
         with AllocatorPeak(held) as meter:
-            output = step(*args, **kwargs)  # held through the backward, as a training loop holds it
+            output = step(*args, **kwargs)
             output_to_loss(output).backward()
             del output
         peaks.append(meter.peak_bytes)

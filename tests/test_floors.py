@@ -172,7 +172,6 @@ def test_where_the_step_as_written_peaks_below_every_plan_it_is_the_floor():
     # an excess large enough to put the step as written under the leanest plan, in both phases
     prep.keep_all_excess = KeepExcess(forward=-prep.keep.peak_bytes, backward=leanest - prep.keep.peak_bytes - 1,
                                       saved=0)
-    prep._min_peak = None
     floor = prep.min_peak_bytes()
     assert floor == prep.unplanned_peak_bytes == leanest - 1 and prep.floor_as_written()
     planned = prep.plan(floor).plan
@@ -180,3 +179,7 @@ def test_where_the_step_as_written_peaks_below_every_plan_it_is_the_floor():
     with pytest.raises(InfeasibleBudgetError) as exc:
         prep.plan(floor - 1)
     assert exc.value.min_budget_bytes == floor and "the step as written" in str(exc.value)
+    # a strategy named plans the partition planned, never the step as written: its floor is the leanest plan's
+    with pytest.raises(InfeasibleBudgetError) as exc:
+        prep.plan(floor - 1, "greedy")
+    assert exc.value.min_budget_bytes == leanest and "the step as written" not in str(exc.value)
