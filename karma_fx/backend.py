@@ -222,7 +222,16 @@ class KarmaBackend:
                                 tokens=head.tokens if head is not None else 0)
             if step.keep_all_excess is not None:
                 try:
-                    prepared.keep_all_excess = step.keep_all_excess()
+                    prepared.keep_all_excess = excess = step.keep_all_excess()
+                    if excess.channels_last and pricing.memory == "measured":
+                        # its convolutions run channels-last: their scratch as they run so
+                        from dataclasses import replace
+
+                        from karma_fx.pricing import channels_last_scratch
+
+                        with set_aside(head):
+                            scratch = channels_last_scratch(step, primals)
+                        prepared.keep_all_excess = replace(excess, scratch=tuple(sorted(scratch.items())))
                 except Exception:  # noqa: BLE001 - the step as written is then the partition planned
                     log.debug("Inductor's own partition not priced; a plan that moves nothing keeps the one "
                               "planned where min-cut peaks higher", exc_info=True)
@@ -302,7 +311,8 @@ class KarmaBackend:
                     fn = compile_region(region.gm, fake, partition, on_backward=session.saw_backward,
                                         moves=lambda: pipeline is not None or (
                                             "variant" in chosen and bool(chosen["variant"].plan.decisions
-                                                                         or chosen["variant"].plan.splits)))
+                                                                         or chosen["variant"].plan.splits)),
+                                        as_written=lambda: "variant" in chosen and chosen["variant"].inductors_own)
                 else:
                     fn = aot_module_simplified(region.gm, fake, fw_compiler=forward_compiler,
                                                bw_compiler=backward_compiler, partition_fn=partition)

@@ -84,7 +84,8 @@ from typing import TYPE_CHECKING, Any, Collection, Union
 import torch
 import torch.fx as fx
 
-from karma_fx.passes.fusible import SEEDED_LOOP_OPS, fusible_ops, inlined_ops, stitched
+from karma_fx.passes.fusible import (SEEDED_LOOP_OPS, STITCHED_FROM, fusible_ops, inlined_ops, layout_optimized, stitched,
+                                     with_channels_last_copies)
 from karma_fx.problem import Problem
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ if TYPE_CHECKING:
 
 __all__ = ["delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem", "inlined_reads",
            "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "PartitionPeaks",
-           "partition_peaks", "saved_for_shapes_held", "written_in_place"]
+           "partition_peaks", "saved_for_shapes_held", "tangents_held", "written_in_place"]
 
 _FUSED_KINDS = ("activation", "temp")
 
@@ -352,7 +353,25 @@ def _as_kernels_hold_it(allocated: Problem, fused: frozenset[str], fusible: Coll
     a fused value is inlined, a run's outputs held to its end, and, last, buffers written over (a buffer written
     over lives as long as what was written into it)."""
     held = outputs_held_through_runs(inlined_reads(allocated, fused), fusible)
-    return written_in_place(saved_for_shapes_held(held), fusible, saved_in_place)
+    return written_in_place(tangents_held(saved_for_shapes_held(held)), fusible, saved_in_place)
+
+
+TANGENTS_HELD_TO_THE_END: bool = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+"""Whether AOTAutograd keeps the backward's tangents until the backward graph returns (torch before 2.13; 2.13
+frees each after its last reader). Measured on a small GPT-2 returning its logits beside the loss: the logits'
+tangent (zeros, made for the unused output) was held to the end on torch 2.9 (CPU, 3.0% of the peak) and
+2.11 (an H200, 16%), freed at its last read on 2.13."""
+
+
+def tangents_held(problem: Problem) -> Problem:
+    """``problem`` with every tangent read by the backward's last op too, where the torch running the step holds
+    them that long (``TANGENTS_HELD_TO_THE_END``)."""
+    nf, last = problem.num_fwd_ops, len(problem.ops) - 1
+    if not TANGENTS_HELD_TO_THE_END or last < nf:
+        return problem
+    tangents = tuple(s.name for s in problem.storages if s.kind == "tangent" and s.size_bytes and s.users
+                     and last not in s.users)
+    return _with_more_inputs(problem, {last: tangents} if tangents else {}, ())
 
 
 def saved_for_shapes_held(problem: Problem) -> Problem:
@@ -506,6 +525,13 @@ class PartitionPeaks:
     view: in a step of several regions they live on to the backward too. By position, not name: the graph a
     plan counts may name them otherwise (a dropout split, ``passes.dropout``)."""
 
+    profile: tuple[tuple[str, bool, int], ...] = ()
+    """Per op in the order run: (the name of the op it is, in the forward, bytes held while it runs, kernel
+    scratch aside), so that the peaks can be taken with the scratch measured later (``inductor.phase_excess``).
+    A backward op the partitioner recomputes is named as the op it copies."""
+    channels_last: bool = False
+    """Counted with Inductor's layout optimization (``layout_optimization`` and a forward it applies to)."""
+
     def no_more_than(self, other: "PartitionPeaks") -> bool:
         """Holds no more than ``other`` in any phase, and saves no input or output it does not save."""
         return (self.forward <= other.forward and self.backward <= other.backward and self.saved <= other.saved
@@ -513,18 +539,25 @@ class PartitionPeaks:
 
 
 def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
-                    as_compiled: bool = False) -> PartitionPeaks:
+                    as_compiled: bool = False, layout_optimization: bool = False) -> PartitionPeaks:
     """What the training step already partitioned into ``fw`` and ``bw`` (what AOTAutograd's partitioners
     return; the first ``num_fwd_outputs`` forward outputs are the step's, the rest are saved for ``bw``, in its
     placeholders' order) holds, nothing moved, as Inductor allocates it (``inductor_problem``); ``as_compiled``:
     compiled with Inductor's own settings, which write over saved activations too (``written_in_place``), as
-    the step as written is, or else as the planned problem counts it."""
+    the step as written is, or else as the planned problem counts it. ``layout_optimization``: with the
+    channels-last copies Inductor's layout optimization makes wherever it would run the forward's convolutions
+    channels-last (``passes.fusible.with_channels_last_copies``), as it does in the step as written only (every
+    other plan is compiled without it)."""
     from karma_fx.costs import estimate_costs
     from karma_fx.passes.capture import CapturedStep
     from karma_fx.passes.liveness import build_problem, storage_key
     from karma_fx.simulate import simulate
 
     joint = stitched(fw, bw, num_fwd_outputs)
+    gradient_copy = 0  # autograd's copy of a gradient the backward returns channels-last, after its last op
+    channels_last = layout_optimization and layout_optimized(fw)
+    if channels_last:
+        joint, gradient_copy = with_channels_last_copies(joint, num_fwd_outputs)
     step = CapturedStep(joint=joint, primal_kinds=(), primal_names=(), num_fwd_outputs=num_fwd_outputs,
                         output_names=())
     problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph),
@@ -532,6 +565,8 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     timeline = simulate(problem, (), estimate_costs(problem), detail=False)
     memory = [b for _, b in timeline.memory]
     split = timeline.forward_items
+    if gradient_copy and len(memory) > split:
+        memory[-1] += gradient_copy
 
     def tensor(node: Any) -> Any:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
@@ -555,5 +590,9 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
             saved_edges.add(edges[key])
         else:
             storages[key] = val.untyped_storage().nbytes()
+    source = {n.name: n.meta.get(STITCHED_FROM, n.name) for n in joint.graph.nodes}
+    profile = (tuple((source.get(op.name, op.name), i < split, b) for i, (op, b) in enumerate(zip(problem.ops, memory)))
+               if len(memory) == len(problem.ops) else ())
     return PartitionPeaks(forward=max(memory[:split], default=0), backward=max(memory[split:], default=0),
-                          saved=sum(storages.values()), saved_edges=frozenset(saved_edges))
+                          saved=sum(storages.values()), saved_edges=frozenset(saved_edges), profile=profile,
+                          channels_last=channels_last)

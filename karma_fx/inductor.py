@@ -108,15 +108,36 @@ class KeepExcess:
     saved_edges: frozenset[tuple[str, int]] = frozenset()
     """Inputs and outputs min-cut saves for the backward, by position (``fusion.PartitionPeaks.saved_edges``):
     counted as held whether or not the default partition saves them."""
+    as_written: tuple[tuple[str, bool, int], ...] = ()
+    planned: tuple[tuple[str, bool, int], ...] = ()
+    """Both partitions' bytes held per op (``fusion.PartitionPeaks.profile``), so that ``phase_excess`` takes
+    the difference of their peaks with each op's scratch where the op runs."""
+    channels_last: bool = False
+    """The step as written runs its convolutions channels-last (Inductor's layout optimization)."""
+    scratch: tuple[tuple[str, int], ...] = ()
+    """Where it does, its convolutions' scratch measured so (``passes.measure.channels_last_scratch``), in
+    place of the traced layout's in the step as written."""
 
 
 def phase_excess(excess: KeepExcess, problem: Any) -> tuple[int, int]:
     """What to add to the forward and to the backward peak of ``problem`` (the partition planned, as priced: with
-    the kernels' measured scratch, which ``partition_peaks`` does not count) for the step as written. A positive
-    difference is added as it is; a negative one only less the largest scratch of the phase: the two models'
-    peaks may sit at different ops, and the planned one at an op with scratch where min-cut holds as much
-    (24 MiB of scratch on a forward matmul put the step as written 9% under it, counted as the plain
-    difference). The step as written holds at most min-cut's peak plus that scratch."""
+    the kernels' measured scratch, which ``partition_peaks`` does not count) for the step as written: per phase,
+    the difference of the two partitions' peaks with each op's scratch added where it runs. The peaks may sit
+    at different ops: 24 MiB of scratch on a forward matmul put the step as written 9% under it, counted as the
+    difference without scratch, and ResNet-50's convolutions (0.14 MiB of scratch each) 12% over it, where the
+    step as written peaks at a convolution holding channels-last copies the planned one does not. Without the
+    profiles a positive difference is added as it is and a negative one only less the largest scratch of the
+    phase (the step as written holds at most min-cut's peak plus that scratch)."""
+    if excess.as_written and excess.planned:
+        sizes = {s.name[:-len(":scratch")]: s.size_bytes for s in problem.storages if s.name.endswith(":scratch")}
+
+        written = {**sizes, **dict(excess.scratch)}
+
+        def peak(profile: tuple[tuple[str, bool, int], ...], forward: bool, scratch: dict[str, int]) -> int:
+            return max((b + scratch.get(name, 0) for name, fwd, b in profile if fwd == forward), default=0)
+
+        return (peak(excess.as_written, True, written) - peak(excess.planned, True, sizes),
+                peak(excess.as_written, False, written) - peak(excess.planned, False, sizes))
     nf = problem.num_fwd_ops
     scratch = [0, 0]
     for s in problem.storages:
@@ -147,10 +168,11 @@ def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> 
     default = default_partition(copy_graph(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                 static_lifetime_input_indices=options.get("static_lifetime_input_indices"))
     theirs = partition_peaks(*min_cut_rematerialization_partition(copy_graph(joint), joint_inputs, **options),
-                             num_fwd_outputs, as_compiled=True)
+                             num_fwd_outputs, as_compiled=True, layout_optimization=True)
     ours = partition_peaks(*default, num_fwd_outputs)
     return KeepExcess(forward=theirs.forward - ours.forward, backward=theirs.backward - ours.backward,
-                      saved=theirs.saved - ours.saved, saved_edges=theirs.saved_edges)
+                      saved=theirs.saved - ours.saved, saved_edges=theirs.saved_edges,
+                      as_written=theirs.profile, planned=ours.profile, channels_last=theirs.channels_last)
 
 
 def _partitioner(partition: Callable) -> Any:
@@ -289,13 +311,17 @@ def _gradient_ready() -> Any:
 
 
 def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Callable,
-                   on_backward: Callable[[], None], moves: Callable[[], bool] = lambda: False) -> Callable:
+                   on_backward: Callable[[], None], moves: Callable[[], bool] = lambda: False,
+                   as_written: Callable[[], bool] = lambda: True) -> Callable:
     """Compile one Dynamo region with Inductor, partitioned (planned and rewritten) by ``partition``.
 
     ``example_inputs`` are fake tensors (inside a ``TracingContext`` of their fake mode, as at Dynamo's compile
     time). ``gm`` is left untouched (Inductor's pre-grad passes edit the graph they get, and a region is
     compiled once per plan it needs). ``moves``: whether the plan ``partition`` chose moves tensors (asked
-    when each graph is compiled, after the partition: its graphs then get ``PLANNED_CONFIG``). Returns the
+    when each graph is compiled, after the partition: its graphs then get ``PLANNED_CONFIG``). ``as_written``:
+    whether a plan that moves nothing is the step as written, Inductor's own (asked likewise): only that step
+    gets Inductor's layout optimization, which its footprint counts (``min_cut_excess``); another plan that
+    moves nothing is priced as the problem counts it, convolutions in their traced layout. Returns the
     callable Dynamo's cached code runs."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -305,8 +331,9 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Cal
         from torch._inductor.virtualized import V
 
         planned = moves()
-        # a plan that moves nothing is Inductor's own step, compiled with Inductor's own settings
-        settings = {**PLAN_SAFE_CONFIG, **PLANNED_CONFIG} if planned else {}
+        # the step as written is Inductor's own, compiled with Inductor's own settings
+        settings = ({**PLAN_SAFE_CONFIG, **PLANNED_CONFIG} if planned
+                    else {} if as_written() else {"layout_optimization": False})
         settings.update(COPY_SAFE_CONFIG if _keeps_buffers_after_calls(graph) else {})
         order = V.set_choices_handler(PlanOrder(V.choices)) if planned else contextlib.nullcontext()
         with torch._inductor.config.patch(settings), order:

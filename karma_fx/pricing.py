@@ -157,6 +157,17 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool) -> tuple[Any
     return pooled(step, times, scratch, split), scratch_known, timed
 
 
+def channels_last_scratch(step: Any, primals: list[torch.Tensor]) -> dict[str, int]:
+    """The convolutions' scratch of ``step`` run channels-last (``passes.measure.channels_last_scratch``), on
+    real memory even inside the partitioner's fake mode: empty where it cannot be measured."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from karma_fx.passes.measure import channels_last_scratch as measure
+
+    with _disable_current_modes():
+        return measure(step, primals)
+
+
 def _measured_costs(problem: Problem, op_time_us: dict[str, float], primals: list[torch.Tensor]) -> Costs:
     """Measured op times with the copy ops' speed measured on the same device."""
     from karma_fx.costs import measured_costs

@@ -508,7 +508,14 @@ class Session:
             return [c.view for c in calls] + [replace(self._pending_view, fp=fp)] + rest
 
         def peak(fp: Footprint) -> int:
-            return self._sequence_peak(sequence(fp), signature_calls)
+            # the later runs at their leanest plans, or all as written where that peaks lower: a region's step
+            # as written may hold more in its forward than its leanest plan and less in its backward (a min-cut
+            # partition saving a 512 KiB input to recompute what the planned partition saves), and which one
+            # leaves this run more room depends on where the step peaks
+            lean = self._sequence_peak(sequence(fp), signature_calls)
+            if not later or self.config.strategy != DEFAULT_STRATEGY:
+                return lean
+            return min(lean, self._sequence_peak(sequence(fp, lean_later=False), signature_calls))
 
         self._resolve_budget([replace(c.view, fp=self._keep(c.region).fp) for c in calls]
                              + sequence(keep.fp, lean_later=False)[len(calls):], signature_calls)

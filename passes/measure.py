@@ -135,7 +135,8 @@ def _live_storage_bytes(values: Any) -> int:
 
 
 def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable[[fx.Node], Any], *,
-               spill: bool = False, after: Callable[[fx.Node, tuple, dict], None] | None = None) -> None:
+               spill: bool = False, after: Callable[[fx.Node, tuple, dict], None] | None = None,
+               instead: dict[Any, Callable] | None = None) -> None:
     """Run ``step.joint`` once for real, node by node in execution order (as the boxed forward and backward
     graphs run it), each node inside the context manager ``around(node)``; tangents are ones. Called from
     inside AOTAutograd's partitioner too, where a fake-tensor mode is active: it runs on the real tensors.
@@ -146,7 +147,8 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
     a budget is set below: measuring a step that does not fit must not need the memory it does not have.
 
     ``after(node, args, kwargs)``, where given, is called once each node has run (outside ``around``), with the
-    tensors it read, to measure something else on them (``scratch_and_split_costs``)."""
+    tensors it read, to measure something else on them (``scratch_and_split_costs``). ``instead``: ops run in
+    place of others (a reshape for a view, on tensors laid out otherwise than traced)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
@@ -174,7 +176,7 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
             if spill:
                 a, kw = pytree.tree_map(lambda v: _moved(v, device), (a, kw))
             with around(node):
-                out = node.target(*a, **kw)
+                out = (instead or {}).get(node.target, node.target)(*a, **kw)
             if after is not None:
                 after(node, a, kw)
             del a, kw
@@ -348,7 +350,8 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
     return scratch_and_split_costs(step, primals)[0]
 
 
-def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor]
+def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor], *, pieces: bool = True,
+                            instead: dict[Any, Callable] | None = None
                             ) -> tuple[dict[str, int], dict[str, tuple[tuple[int, int, float], ...]]]:
     """Run ``step.joint`` for real once, node by node, and return for each node the bytes its kernel
     allocates beyond what it leaves allocated: its scratch (a mask cast to the data's dtype in dropout's
@@ -362,7 +365,7 @@ def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor]
     again on the same tensors in each number of pieces the planner may choose (``karma_fx.split.SPLIT_CHUNKS``),
     its scratch measured the same way (a piece's output before it is put in place counts, and whatever part of
     the scratch does not shrink with the batch) and, on a CPU, its wall time against the whole op's, so that a
-    split is priced as measured, never assumed."""
+    split is priced as measured, never assumed (not with ``pieces=False``). ``instead``: as ``_run_joint``'s."""
 
     from torch.profiler import record_function
 
@@ -389,7 +392,7 @@ def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor]
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
         with allocator_events() as prof:
             _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name), spill=cuda,
-                       after=try_pieces)
+                       after=try_pieces if pieces else None, instead=instead)
     events = prof.profiler.kineto_results.events()
     device = "CUDA" if cuda else "CPU"
     memory = sorted((e.start_ns(), e.nbytes()) for e in events
@@ -424,6 +427,35 @@ def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor]
         if lower:
             split[name] = lower
     return scratch, split
+
+
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+
+_RESHAPES: dict[Any, Callable] = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                                  torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+
+
+def channels_last_scratch(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, int]:
+    """Each convolution's scratch (forward and backward, 0 where it has none) with the step run channels-last,
+    as Inductor's layout optimization runs it (``passes.fusible.with_channels_last_copies``): the inputs the
+    convolutions read are given channels-last, and every activation after follows. It is not the scratch of
+    the traced layout: on a CPU, oneDNN reorders a channels-first activation (a small CNN's convolutions
+    allocate less channels-last) but a channels-last weight's gradient (ResNet-50 at tiny size: 0.42 MiB
+    channels-last against 0.14 MiB for its widest 3x3 convolution's backward, where its step as written
+    peaks). Views are run as reshapes (a flatten of a channels-last activation is no view); empty where the
+    step cannot run so."""
+    placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
+    read = {arg for node in step.joint.graph.nodes if node.target is torch.ops.aten.convolution.default
+            for arg in node.args[:2] if isinstance(arg, fx.Node)}
+    given = [t.contiguous(memory_format=torch.channels_last)
+             if ph in read and isinstance(t, torch.Tensor) and t.dim() == 4 else t
+             for ph, t in zip(placeholders, primals)]
+    try:
+        scratch, _ = scratch_and_split_costs(step, given, pieces=False, instead=_RESHAPES)
+    except RuntimeError:  # a view of a channels-first layout: the convolutions' traced scratch is all there is
+        return {}
+    return {n.name: scratch.get(n.name, 0) for n in step.joint.graph.nodes if n.target in _CONVOLUTIONS}
 
 
 _SPLIT_TAG = "karma_fx.split:"

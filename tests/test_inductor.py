@@ -414,17 +414,20 @@ class PoolCNN(torch.nn.Module):
 def test_a_pooling_input_read_for_its_shape_lives_until_the_backward_returns():
     """The average pooling's backward reads its input for its sizes only, so no Inductor kernel reads the
     saved 1x1 convolution output and the backward graph never frees it. Counted as freed at the pooling's
-    backward, a plan that keeps it peaked 13.9% above itself (1 MiB); now at its plan."""
+    backward, a plan that keeps it peaked 13.9% above itself (1 MiB); now at its plan. The budget is just
+    under the step as written (Inductor's, channels-last), which peaks below the partition the plans count."""
     torch.manual_seed(0)
     model, x = PoolCNN(), torch.randn(16, 3, 32, 32)
-    compiled = karma_fx.compile(model, budget=0.9, strategy="greedy", compiler="inductor", costs="roofline")
+    compiled = karma_fx.compile(model, budget=0.99, strategy="cpsat", compiler="inductor", costs="roofline")
     for _ in range(2):
         output_to_loss(compiled(x)).backward()
         for p in model.parameters():
             p.grad = None
     pool_input = "convolution_2"
-    assert compiled.plan.decisions and not any(pool_input == getattr(d, "tensor", "") or
-                                               pool_input in getattr(d, "tensors", ()) for d in compiled.plan.decisions)
+    # a plan (moves, or kernels split: which is faster depends on a split's measured time), keeping the input
+    assert compiled.plan.decisions or compiled.plan.splits
+    assert not any(pool_input == getattr(d, "tensor", "") or pool_input in getattr(d, "tensors", ())
+                   for d in compiled.plan.decisions)
     problem = compiled.regions[-1].prepared.problem
     assert problem.storage(pool_input).users[-1] == len(problem.ops) - 1
     assert_measured_within_plan(model, compiled, (x,), {}, below=0.02)
@@ -724,16 +727,17 @@ def test_plan_for_inductor_is_the_plan_compile_makes(capsys):
 
 def test_convolutions_split_along_the_batch_under_inductor():
     """A small CNN whose floor was a CPU convolution backward's scratch, compiled by Inductor (the default
-    compiler) at 0.6 of its peak, where it was refused: the plan splits convolutions along the batch (karma
-    ops, which Inductor calls as they are), the step trains as eager does (relative 1e-5) and a steady step
-    peaks within the plan and the budget."""
+    compiler) at 0.7 of its peak (0.6 before Inductor's own step, the peak a fraction is of, was counted as it
+    runs channels-last: 6.37 MB, not 8.09), where it was refused: the plan splits convolutions along the batch
+    (karma ops, which Inductor calls as they are), the step trains as eager does (relative 1e-5) and a steady
+    step peaks within the plan and the budget."""
     from test_split import SmallCNN
 
     torch.manual_seed(0)
     model = SmallCNN()
     ref = copy.deepcopy(model)
     x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    compiled = karma_fx.compile(model, budget=0.6, compiler="inductor")
+    compiled = karma_fx.compile(model, budget=0.7, compiler="inductor")
     for _ in range(2):
         for m, run in ((model, compiled), (ref, ref)):
             m.zero_grad(set_to_none=True)
@@ -748,7 +752,9 @@ def test_the_host_optimizer_runs_in_inductor_compiled_backward_graphs():
     """``optimizer=`` under Inductor: the backward graph Inductor compiles hands each gradient to the host
     AdamW (``karma::gradient_ready``, an extern kernel), and the parameters after three steps equal those of
     the same plan compiled by Inductor without the pipeline, with torch.optim.AdamW stepped after backward.
-    A plan that moves tensors and splits a convolution (the CNN at 0.7, roofline costs so both plan alike)."""
+    A plan that moves tensors and splits a convolution (the CNN at 560 KiB, about 0.7 of its peak, in bytes: a
+    fraction would be of two different steps, the pipeline's partition as planned and Inductor's own for the
+    other; roofline costs so both plan alike)."""
     import functools
 
     from torch._inductor.utils import run_and_get_code
@@ -756,9 +762,9 @@ def test_the_host_optimizer_runs_in_inductor_compiled_backward_graphs():
     model, args, kwargs = build("cnn", "tiny")
     reference = copy.deepcopy(model)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    step = karma_fx.compile(model, budget=0.7, compiler="inductor", costs="roofline", optimizer=adamw,
+    step = karma_fx.compile(model, budget="560KiB", compiler="inductor", costs="roofline", optimizer=adamw,
                             bucket_bytes=4096)
-    plain = karma_fx.compile(reference, budget=0.7, compiler="inductor", costs="roofline")
+    plain = karma_fx.compile(reference, budget="560KiB", compiler="inductor", costs="roofline")
     ordinary = adamw(reference.parameters())
     for i in range(3):
         torch.manual_seed(i)  # the same dropout masks
@@ -770,7 +776,9 @@ def test_the_host_optimizer_runs_in_inductor_compiled_backward_graphs():
         ordinary.step()
         ordinary.zero_grad()
     step.pipeline.wait_updates()
-    assert step.plan.decisions and step.plan == plain.plan and len(step.pipeline.buckets) > 1
+    # the same plan; the unplanned step each names is its own (the pipeline's partition, Inductor's for plain)
+    assert step.plan.decisions and step.plan.replace(unplanned_peak_bytes=0) == plain.plan.replace(
+        unplanned_peak_bytes=0) and len(step.pipeline.buckets) > 1
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad is None, f"{n}: the host optimizer consumed its gradient"
         assert torch.allclose(p, q, rtol=0, atol=1e-6 * q.abs().max().item()), n
@@ -892,3 +900,87 @@ def test_the_step_inductor_runs_swaps_no_tensor_the_backward_makes():
     inductor = karma_fx.prepare(model, args, kwargs, compiler="inductor", costs="roofline", loss_chunk=16)
     assert not eager.problem.fused_kernels and backward_swaps(eager.problem)
     assert inductor.problem.fused_kernels and backward_swaps(inductor.problem) == ()
+
+
+class WideKernels(torch.nn.Module):
+    """3x3 convolutions whose weights outweigh their activations (as ResNet-50's do at tiny size), a 1x1
+    convolution (its weight is channels-last already), a flatten and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.body = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 32, 1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(2))
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.body(x), 1)).square().mean()
+
+
+def test_a_cnn_step_as_written_runs_channels_last_and_is_predicted_so():
+    """On a CPU Inductor runs a step with convolutions channels-last (its layout optimization): it copies the
+    weights and the batch to channels-last at the forward's start and saves the copies, its convolutions'
+    scratch is oneDNN's channels-last scratch (larger for a weight's gradient, smaller for a channels-first
+    activation), and autograd copies each weight's channels-last gradient into the weight's layout after the
+    backward. Karma's ``budget=1.0`` step is that step (``torch.compile``'s peak, to the byte) and its predicted
+    peak counts all three (before: 17% under what ran on this model; ResNet-50 at tiny size 14%)."""
+    from karma_fx.measure_run import measure_step_peak
+
+    peaks = []
+    for door in ("karma", "torch"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = WideKernels(), torch.randn(2, 3, 16, 16)
+        compiled = (karma_fx.compile(model, budget=1.0, compiler="inductor") if door == "karma"
+                    else torch.compile(model, backend="inductor", dynamic=False))
+        for _ in range(2):
+            compiled(x).backward()
+            for p in model.parameters():
+                p.grad = None
+        if door == "karma":
+            excess = compiled.regions[0].prepared.keep_all_excess
+            assert excess.channels_last and dict(excess.scratch), excess
+            assert compiled.plan.status == "KEEP" and compiled.regions[0].last.inductors_own
+            assert_measured_within_plan(model, compiled, (x,), {}, below=0.02)
+        peaks.append(measure_step_peak(model, compiled, (x,), {}, lambda loss: loss).peak_bytes)
+    assert peaks[0] == peaks[1]
+
+
+@pytest.mark.parametrize("held_to_the_end", [True, False], ids=["torch<2.13", "torch>=2.13"])
+def test_a_tangent_lives_to_the_backwards_end_where_torch_holds_it(monkeypatch, held_to_the_end):
+    """Before torch 2.13 AOTAutograd keeps the backward's tangents until the backward graph returns (a GPT-2
+    returning its logits beside the loss: the logits' tangent, zeros for the unused output, held to the end; 3.0%
+    of the step on torch 2.9, 16% on a GPU under 2.11, where the model freed it at its last read); 2.13 frees each
+    after its last reader. Counted as the running torch does, in every Inductor problem."""
+    import karma_fx.fusion as fusion
+    from karma_fx.problem import Op, Problem, Storage
+
+    monkeypatch.setattr(fusion, "TANGENTS_HELD_TO_THE_END", held_to_the_end)
+    mb = 1 << 20
+    ops = (Op("mm", "aten.mm.default", "fwd", ("x", "w"), ("mm",)),
+           Op("mm_1", "aten.mm.default", "bwd", ("tangents_1", "w"), ("mm_1",)),
+           Op("mm_2", "aten.mm.default", "bwd", ("mm_1", "x"), ("mm_2",)))
+    storages = (Storage("x", mb, "input", None, (0, 2)), Storage("w", mb, "param", None, (0, 1)),
+                Storage("mm", 4 * mb, "activation", 0, (), is_output=True),
+                Storage("tangents_1", 4 * mb, "tangent", None, (1,), arrives_at=1),
+                Storage("mm_1", mb, "activation", 1, (2,)), Storage("mm_2", mb, "gradient", 2, (), is_output=True))
+    held = fusion.inductor_problem(Problem(ops=ops, storages=storages, num_fwd_ops=1), fusible=(), inlined=())
+    assert held.storage("tangents_1").users == ((1, 2) if held_to_the_end else (1,))
+
+
+def test_reductions_are_known_without_torchs_reduction_tag(monkeypatch):
+    """torch 2.9 has no ``torch.Tag.reduction``: every Inductor step failed there with an ``AttributeError``.
+    Reductions are then known by name, the same ops torch 2.13 tags."""
+    from karma_fx.passes import fusible
+
+    monkeypatch.setattr(fusible, "_REDUCTION_TAG", None)
+    aten = torch.ops.aten
+    for op in (aten.sum.dim_IntList, aten.amax.default, aten.var_mean.correction):
+        assert fusible._computes_in_loops(op) and fusible._stores_its_result(op), op
+    assert fusible._computes_in_loops(aten.add.Tensor) and not fusible._stores_its_result(aten.add.Tensor)
+    assert not fusible._computes_in_loops(aten.mm.default)
+    if hasattr(torch.Tag, "reduction"):  # where this torch has the tag, every op named carries it
+        for name in fusible._REDUCTIONS:
+            _, packet, overload = name.split(".")
+            assert torch.Tag.reduction in getattr(getattr(aten, packet), overload).tags, name
