@@ -309,8 +309,8 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> tu
                     copy = graph.call_function(torch.ops.aten.clone.default, (source,),
                                                {"memory_format": torch.channels_last})
                 with val.fake_mode:  # type: ignore[attr-defined]
-                    copy.meta["val"] = torch.empty_strided(
-                        val.shape, _channels_last_strides(val.shape), dtype=val.dtype, device=val.device)
+                    copy.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device=val.device,
+                                                   memory_format=torch.channels_last)
                 copy.meta["karma"] = {"stitched": True}
                 copy.meta["partitioner_tag"] = "is_forward"
                 copied[source] = anchor = copy
@@ -332,17 +332,18 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> tu
         with graph.inserting_before(node) if gradient.op == "placeholder" else graph.inserting_after(gradient):
             copy = graph.call_function(torch.ops.aten.cat.default, (reads,))
         with val.fake_mode:  # type: ignore[attr-defined]
-            copy.meta["val"] = torch.empty_strided(
-                val.shape, _channels_last_strides(val.shape), dtype=val.dtype, device=val.device)
+            copy.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device=val.device,
+                                           memory_format=torch.channels_last)
         node.update_arg(0, copy)
     graph.lint()
     joint.recompile()
-    inputs = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    position = {n: i for i, n in enumerate(n for n in graph.nodes
+                                           if n.op == "placeholder" and not n.name.startswith("tangents"))}
     output = next(n for n in graph.nodes if n.op == "output")
     gradients = output.args[0][num_fwd_outputs:]
     regathered = [_bytes(source) for source in copied
-                  if source in inputs and inputs.index(source) < len(gradients)
-                  and gradients[inputs.index(source)] is not None]
+                  if position.get(source, len(gradients)) < len(gradients)
+                  and gradients[position[source]] is not None]
     return joint, max(regathered, default=0)
 
 
@@ -366,9 +367,3 @@ def _from_channels_last_gradients(node: fx.Node) -> bool:
 def _bytes(node: fx.Node) -> int:
     val = node.meta["val"]
     return val.numel() * val.element_size()
-
-
-def _channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
-    n, c, h, w = shape
-    return (h * w * c, 1, w * c, c)
-
