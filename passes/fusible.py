@@ -16,8 +16,8 @@ import torch.fx as fx
 
 from karma_fx.passes.liveness import storage_key
 
-__all__ = ["SEEDED_LOOP_OPS", "STITCHED_FROM", "fusible_ops", "inlined_ops", "layout_optimized", "stitched",
-           "with_channels_last_copies"]
+__all__ = ["SEEDED_LOOP_OPS", "STITCHED_FROM", "extern_readers", "fusible_ops", "inlined_ops", "is_lazily_stored",
+           "layout_optimized", "stitched", "with_channels_last_copies"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -147,14 +147,16 @@ def inlined_ops(graph: fx.Graph) -> frozenset[str]:
     return frozenset(n.name for n in inlined)
 
 
-def _read_by_extern(node: fx.Node) -> bool:
-    """Whether an extern kernel (a convolution, a matmul, a ``karma`` op) reads ``node``, directly or through
-    views: Inductor realises every input of an extern kernel, so such a result is a buffer, and a pointwise
-    reader elsewhere reads that buffer, not what it was computed from. Counted as inlined, a BatchNorm-ReLU
-    output that a convolution reads lent its own reads to the ReLU mask of its backward, which then looked
-    too costly to inline; Inductor inlines the mask into each reader, and the output stayed allocated past
-    where the model freed it (a pooling CNN's step 0.8 MiB over its plan, 14%)."""
-    stack, seen = [node], set()
+def is_lazily_stored(node: fx.Node) -> bool:
+    """Whether Inductor lowers ``node`` to a loop it stores only when a reader needs it (a pointwise op, a
+    fill, a copy), not as soon as it is lowered (a reduction, a scatter) nor as an extern kernel."""
+    return (node.op == "call_function" and not _is_view(node) and _computes_in_loops(node.target)
+            and not _stores_its_result(node.target))
+
+
+def extern_readers(node: fx.Node) -> list[fx.Node]:
+    """The extern kernels (not Inductor's loops) that read ``node``, directly or through views."""
+    stack, seen, found = [node], set(), []
     while stack:
         current = stack.pop()
         for user in current.users:
@@ -164,8 +166,18 @@ def _read_by_extern(node: fx.Node) -> bool:
             if _is_view(user):
                 stack.append(user)
             elif not _computes_in_loops(user.target):
-                return True
-    return False
+                found.append(user)
+    return found
+
+
+def _read_by_extern(node: fx.Node) -> bool:
+    """Whether an extern kernel (a convolution, a matmul, a ``karma`` op) reads ``node``, directly or through
+    views: Inductor realises every input of an extern kernel, so such a result is a buffer, and a pointwise
+    reader elsewhere reads that buffer, not what it was computed from. Counted as inlined, a BatchNorm-ReLU
+    output that a convolution reads lent its own reads to the ReLU mask of its backward, which then looked
+    too costly to inline; Inductor inlines the mask into each reader, and the output stayed allocated past
+    where the model freed it (a pooling CNN's step 0.8 MiB over its plan, 14%)."""
+    return bool(extern_readers(node))
 
 
 STITCHED_FROM = "karma_stitched_from"
