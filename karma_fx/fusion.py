@@ -84,8 +84,8 @@ from typing import TYPE_CHECKING, Any, Collection, Union
 import torch
 import torch.fx as fx
 
-from karma_fx.passes.fusible import (SEEDED_LOOP_OPS, STITCHED_FROM, fusible_ops, inlined_ops, layout_optimized, stitched,
-                                     with_channels_last_copies)
+from karma_fx.passes.fusible import (SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM, fusible_ops, inlined_ops,
+                                     layout_optimized, stitched, with_channels_last_copies)
 from karma_fx.problem import Problem
 
 if TYPE_CHECKING:
@@ -97,15 +97,6 @@ __all__ = ["delayed_matmuls", "fused_storages", "inductor_model", "inductor_prob
            "partition_peaks", "saved_for_shapes_held", "tangents_held", "written_in_place"]
 
 _FUSED_KINDS = ("activation", "temp")
-
-SHAPE_READS: dict[str, int] = {
-    "aten.avg_pool2d_backward.default": 1,
-    "aten.avg_pool3d_backward.default": 1,
-    "aten.max_pool2d_with_indices_backward.default": 1,
-}
-"""Backward ops whose Inductor lowering reads one input (its position among the op's inputs) for its sizes
-only: a pooling's backward computes the input's gradient from the output's gradient (and, for max pooling,
-the indices), never from the input's values."""
 
 
 def fused_storages(problem: Problem, fusible: Collection[str], inlined: Collection[str]) -> frozenset[str]:

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from karma_fx.passes.liveness import storage_key
 
-__all__ = ["SEEDED_LOOP_OPS", "STITCHED_FROM", "extern_readers", "fusible_ops", "inlined_ops", "is_lazily_stored",
+__all__ = ["SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "extern_readers", "fusible_ops", "inlined_ops", "is_lazily_stored",
            "layout_optimized", "stitched", "with_channels_last_copies"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
@@ -46,6 +46,15 @@ SEEDED_LOOP_OPS: frozenset[str] = frozenset({
 })
 """Inductor's own random draws (what its ``replace_random`` pass makes of a dropout's ``rand``): generated in
 its loops from a seed, so they fuse with their neighbours, but their result is stored, never inlined."""
+
+SHAPE_READS: dict[str, int] = {
+    "aten.avg_pool2d_backward.default": 1,
+    "aten.avg_pool3d_backward.default": 1,
+    "aten.max_pool2d_with_indices_backward.default": 1,
+}
+"""Backward ops whose Inductor lowering reads one input (its position among the op's inputs) for its sizes
+only: a pooling's backward computes the input's gradient from the output's gradient (and, for max pooling,
+the indices), never from the input's values."""
 
 _HEAVY_ON_CPU = ("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")
 """Ops whose result Inductor's CPU backend stores rather than recomputes in each of several readers."""
@@ -338,7 +347,11 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> tu
         # channels-last for the convolution's backward by the kernel that writes it: both held from there, with
         # what that kernel reads. The copy is modelled as a node reading all of them that the fusion model takes
         # for an extern kernel's (so the gradient is stored, not inlined into it); this graph is never run
-        reads = [gradient] + [a for a in gradient.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
+        # (not an input read for its sizes only, a pooling's: the kernel never loads it, and counted as read
+        # here it would not be held to the backward's end, where Inductor, which never frees it, holds it)
+        sized = SHAPE_READS.get(str(gradient.target))
+        inputs = [a for k, a in enumerate(gradient.all_input_nodes) if k != sized]
+        reads = [gradient] + [a for a in inputs if isinstance(a.meta.get("val"), torch.Tensor)
                               and (a.op == "placeholder" or a.meta.get("partitioner_tag") == "is_forward"
                                    or not _computes_in_loops(a.target))]  # stored anyway: inputs, saved, extern
         with graph.inserting_before(node) if gradient.op == "placeholder" else graph.inserting_after(gradient):
