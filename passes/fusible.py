@@ -160,11 +160,13 @@ def is_lazily_stored(node: fx.Node) -> bool:
     """Whether Inductor lowers ``node`` to a loop it stores only when a reader needs it (a pointwise op, a
     fill, a copy), not as soon as it is lowered (a reduction, a scatter) nor as an extern kernel."""
     return (node.op == "call_function" and not _is_view(node) and _computes_in_loops(node.target)
-            and not _stores_its_result(node.target))
+            and not _stores_its_result(node.target) and isinstance(node.meta.get("val"), torch.Tensor))
 
 
-def extern_readers(node: fx.Node) -> list[fx.Node]:
-    """The extern kernels (not Inductor's loops) that read ``node``, directly or through views."""
+def extern_readers(node: fx.Node, *, copy_into_input_is_extern: bool = False) -> list[fx.Node]:
+    """The extern kernels (not Inductor's loops) that read ``node``, directly or through views. A ``copy_`` into
+    a graph input (a BatchNorm's running statistics) is a loop of Inductor's writing into that input; the
+    memory model counts it as an extern kernel (``copy_into_input_is_extern``), which it has matched so far."""
     stack, seen, found = [node], set(), []
     while stack:
         current = stack.pop()
@@ -174,7 +176,8 @@ def extern_readers(node: fx.Node) -> list[fx.Node]:
             seen.add(user)
             if _is_view(user):
                 stack.append(user)
-            elif not _computes_in_loops(user.target):
+            elif not _computes_in_loops(user.target) and (copy_into_input_is_extern
+                                                          or user.target is not torch.ops.aten.copy_.default):
                 found.append(user)
     return found
 
@@ -186,7 +189,7 @@ def _read_by_extern(node: fx.Node) -> bool:
     output that a convolution reads lent its own reads to the ReLU mask of its backward, which then looked
     too costly to inline; Inductor inlines the mask into each reader, and the output stayed allocated past
     where the model freed it (a pooling CNN's step 0.8 MiB over its plan, 14%)."""
-    return bool(extern_readers(node))
+    return bool(extern_readers(node, copy_into_input_is_extern=True))
 
 
 STITCHED_FROM = "karma_stitched_from"

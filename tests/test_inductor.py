@@ -751,6 +751,14 @@ def test_a_pointwise_result_read_past_a_prefetch_is_computed_before_it():
     plain = make_fx(lambda a, b: torch.mm(a * 2, b))(args[0], args[2])
     assert computed_before_prefetches(plain) == 0
 
+    def two_results(a, host):  # a pointwise op with two outputs (read through getitem) is left alone
+        mantissa, _ = torch.frexp(a)
+        return torch.mm(mantissa, torch.ops.karma.wait(torch.ops.karma.prefetch(host, torch.device("cpu"))))
+
+    gm = make_fx(two_results)(*args[:2])
+    computed_before_prefetches(gm)
+    torch.testing.assert_close(gm(*args[:2]), two_results(*args[:2]))
+
 
 @pytest.mark.parametrize("budget", ["4.63MiB", "3.9MiB", 0.6])
 def test_convolutions_split_along_the_batch_under_inductor(budget):
