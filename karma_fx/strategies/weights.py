@@ -43,7 +43,7 @@ weights three times a step)."""
 
 def weight_streams(problem: Problem, decisions: tuple[Decision, ...] = (), max_gap: int = MAX_GAP_OPS,
                    ahead_us: float | None = None, costs: Costs | None = None) -> tuple[Decision, ...]:
-    """Stream every used parameter and send every parameter gradient to the host, around ``decisions``
+    """Stream every used parameter and send every parameter gradient no op reads to the host, around ``decisions``
     (recompute chains that read a parameter extend its backward window to where they run). A parameter the
     step reads only through a cast to bf16 (autocast's copy) streams as that cast, made on the host
     (``karma_fx.wire``; casts ``decisions`` already move are left as they are); a weight left with no reader
@@ -98,8 +98,10 @@ def weight_streams(problem: Problem, decisions: tuple[Decision, ...] = (), max_g
     streams: list[Decision] = [StreamWeight(name, tuple(ws)) for name, ws in windows.items()]
     streams += [StreamWeight(s.name, ()) for s, before in zip(problem.storages, original.storages)
                 if s.kind == "param" and before.kind == "param" and not s.users and before.users]
+    # A gradient the backward reads again stays on the device (a BatchNorm's bias gradient, decomposed as
+    # Inductor's graphs have it, is also a term of its input's gradient): a GradToHost sends it as it is made.
     streams += [GradToHost(s.name) for s in problem.storages
-                if s.kind == "gradient" and s.is_output and s.producer is not None]
+                if s.kind == "gradient" and s.is_output and s.producer is not None and not s.users]
     return tuple(streams)
 
 
