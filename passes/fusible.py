@@ -16,8 +16,8 @@ import torch.fx as fx
 
 from karma_fx.passes.liveness import storage_key
 
-__all__ = ["SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "extern_readers", "fusible_ops", "inlined_ops", "is_lazily_stored",
-           "layout_optimized", "stitched", "with_channels_last_copies"]
+__all__ = ["SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "extern_readers", "fusible_ops", "inlined_ops",
+           "is_lazily_stored", "layout_optimized", "stitched", "with_channels_last_copies"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",

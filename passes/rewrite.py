@@ -29,6 +29,7 @@ import torch.fx as fx
 import karma_fx.runtime  # noqa: F401 - registers torch.ops.karma
 from karma_fx.errors import InvalidPlanError
 from karma_fx.passes.capture import CapturedStep, copy_joint
+from karma_fx.passes.fusible import extern_readers, is_lazily_stored
 from karma_fx.passes.liveness import _forward_nodes
 from karma_fx.plan import GradToHost, Offload, Plan, Recompute, StreamWeight
 from karma_fx.problem import Problem
@@ -408,8 +409,6 @@ def computed_before_prefetches(gm: fx.GraphModule) -> int:
     prefetches = [position[n] for n in nodes if n.target is torch.ops.karma.prefetch.default]
     if not prefetches:
         return 0
-    from karma_fx.passes.fusible import extern_readers, is_lazily_stored
-
     pinned = 0
     for node in nodes:
         if node.op != "call_function" or not is_lazily_stored(node):
