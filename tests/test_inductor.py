@@ -771,21 +771,28 @@ def test_convolutions_split_along_the_batch_under_inductor(budget):
     the next convolution's input is prefetched (``passes.rewrite.computed_before_prefetches``). At 0.6 of the
     step as written it was refused (its floor 0.5% above) until the split backward computed each piece's input
     gradient in a call of its own (``karma_fx.split_ops``)."""
+    model, compiled, x = small_cnn_trained_as_eager(budget=budget)
+    assert compiled.plan.splits and compiled.plan.fits
+    assert_measured_within_plan(model, compiled, (x,), {}, slack=0.01)
+
+
+def small_cnn_trained_as_eager(**options):
+    """``tests/test_split.py``'s small CNN compiled by Inductor with ``options``, two steps trained beside eager
+    with every gradient compared (relative 1e-5); returns the model, the compiled step and the batch."""
     from test_split import SmallCNN
 
     torch.manual_seed(0)
     model = SmallCNN()
     ref = copy.deepcopy(model)
     x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    compiled = karma_fx.compile(model, budget=budget, compiler="inductor")
+    compiled = karma_fx.compile(model, compiler="inductor", **options)
     for _ in range(2):
         for m, run in ((model, compiled), (ref, ref)):
             m.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(run(x), y).backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
-    assert compiled.plan.splits and compiled.plan.fits
-    assert_measured_within_plan(model, compiled, (x,), {}, slack=0.01)
+    return model, compiled, x
 
 
 def test_the_host_optimizer_runs_in_inductor_compiled_backward_graphs():

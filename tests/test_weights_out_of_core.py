@@ -363,20 +363,9 @@ def test_a_batchnorm_cnn_streams_its_weights_under_inductor():
     gradient): sent to the host as it was made, the plan was invalid and every budget failed with
     ``InvalidPlanError`` ("sum_2 is read by mul_15 while it is not on the device"). Such a gradient stays on the
     device; the step trains as eager does and a steady step peaks within 1% of the plan and within the budget."""
-    from test_inductor import assert_measured_within_plan
-    from test_split import SmallCNN
+    from test_inductor import assert_measured_within_plan, small_cnn_trained_as_eager
 
-    torch.manual_seed(0)
-    model = SmallCNN()
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    compiled = karma_fx.compile(model, budget=0.9, compiler="inductor", offload_weights=True)
-    for _ in range(2):
-        for m, run in ((model, compiled), (ref, ref)):
-            m.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(run(x), y).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    model, compiled, x = small_cnn_trained_as_eager(budget=0.9, offload_weights=True)
     plan = compiled.plan
     assert any(isinstance(d, StreamWeight) for d in plan.decisions)
     assert any(isinstance(d, GradToHost) for d in plan.decisions)
