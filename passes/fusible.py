@@ -16,8 +16,8 @@ import torch.fx as fx
 
 from karma_fx.passes.liveness import storage_key
 
-__all__ = ["SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "extern_readers", "fusible_ops", "inlined_ops",
-           "is_lazily_stored", "layout_optimized", "stitched", "with_channels_last_copies"]
+__all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "extern_readers", "fusible_ops",
+           "inlined_ops", "is_lazily_stored", "layout_optimized", "stitched", "with_channels_last_copies"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -273,7 +273,7 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return []
 
 
-_CONVOLUTION_READS: dict[object, tuple[int, ...]] = {
+CONVOLUTION_READS: dict[object, tuple[int, ...]] = {
     torch.ops.aten.convolution.default: (0, 1),  # input, weight
     torch.ops.aten.convolution_backward.default: (1, 2),  # the forward's input, weight
 }
@@ -317,7 +317,7 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> tu
             break
         anchor = node
     for node in list(graph.nodes):
-        positions = _CONVOLUTION_READS.get(node.target, ())
+        positions = CONVOLUTION_READS.get(node.target, ())
         for i in positions:
             source = node.args[i] if i < len(node.args) else None
             if not isinstance(source, fx.Node) or source.op != "placeholder":

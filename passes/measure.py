@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from karma_fx.measure_run import event_device
 from karma_fx.passes.capture import CapturedStep
+from karma_fx.passes.fusible import CONVOLUTION_READS
 from karma_fx.passes.liveness import execution_order, forward_node_count, tensors_of
 
 
@@ -429,9 +430,6 @@ def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor], *, 
     return scratch, split
 
 
-_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
-
-
 _RESHAPES: dict[Any, Callable] = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
                                   torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 
@@ -446,8 +444,9 @@ def channels_last_scratch(step: CapturedStep, primals: list[torch.Tensor]) -> di
     peaks). Views are run as reshapes (a flatten of a channels-last activation is no view); empty where the
     step cannot run so."""
     placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
-    read = {arg for node in step.joint.graph.nodes if node.target is torch.ops.aten.convolution.default
-            for arg in node.args[:2] if isinstance(arg, fx.Node)}
+    forward = torch.ops.aten.convolution.default
+    read = {node.args[i] for node in step.joint.graph.nodes if node.target is forward
+            for i in CONVOLUTION_READS[forward] if isinstance(node.args[i], fx.Node)}
     given = [t.contiguous(memory_format=torch.channels_last)
              if ph in read and isinstance(t, torch.Tensor) and t.dim() == 4 else t
              for ph, t in zip(placeholders, primals)]
@@ -455,7 +454,7 @@ def channels_last_scratch(step: CapturedStep, primals: list[torch.Tensor]) -> di
         scratch, _ = scratch_and_split_costs(step, given, pieces=False, instead=_RESHAPES)
     except RuntimeError:  # a view of a channels-first layout: the convolutions' traced scratch is all there is
         return {}
-    return {n.name: scratch.get(n.name, 0) for n in step.joint.graph.nodes if n.target in _CONVOLUTIONS}
+    return {n.name: scratch.get(n.name, 0) for n in step.joint.graph.nodes if n.target in CONVOLUTION_READS}
 
 
 _SPLIT_TAG = "karma_fx.split:"
