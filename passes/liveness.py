@@ -151,6 +151,22 @@ def node_modules(graph: fx.Graph, forward: set[fx.Node]) -> dict[fx.Node, str]:
     return modules
 
 
+_MAY_COPY = frozenset({"aten.reshape.default", "aten.flatten.using_ints", "aten.reshape_as.default"})
+"""View ops by schema that copy where the input's strides do not allow a view."""
+
+
+def _aliased_base(node: fx.Node) -> fx.Node | None:
+    """The input a view op's result aliases, whatever its traced value says: a functionalized graph's traced
+    values may give a view a storage of its own (an in-place update of a transposed view, replayed as a
+    ``permute`` of the updated tensor), which counted it a second time beside its base, as a 1 MiB buffer
+    nothing allocates."""
+    target = node.target
+    if node.op != "call_function" or not getattr(target, "is_view", False) or str(target) in _MAY_COPY:
+        return None
+    base = node.args[0] if node.args else None
+    return base if isinstance(base, fx.Node) else None
+
+
 def build_problem(step: CapturedStep, name: str = "model") -> Problem:
     """The plain-data ``Problem`` for a captured step (see the module docstring)."""
     graph = step.joint.graph
@@ -178,8 +194,11 @@ def build_problem(step: CapturedStep, name: str = "model") -> Problem:
             raise UnsupportedModelError(f"node {describe_node(node.name, str(node.target), modules.get(node, ''))} "
                                         "has no traced value; cannot plan it")
         many = not isinstance(val, torch.Tensor)
+        base = _aliased_base(node)
         for i, t in enumerate(tensors_of(val)):
             key = storage_key(t)
+            if base is not None and key not in key_to_name and len(node_storages.get(base, ())) == 1:
+                key_to_name[key] = node_storages[base][0]
             if key not in key_to_name:
                 sname = f"{node.name}#{i}" if many else node.name
                 key_to_name[key] = sname
