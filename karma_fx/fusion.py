@@ -157,11 +157,17 @@ def _without_addmm_adds(problem: Problem, fusible: Collection[str]) -> frozenset
 def loop_runs(problem: Problem, fusible: Collection[str]) -> tuple[tuple[int, ...], ...]:
     """The stretches of ops Inductor may fuse into one kernel: maximal runs of consecutive ops of one phase
     that it computes in its loops (``fusible``, names as ``fusible_ops`` returns them, or one of its seeded
-    random draws), between extern kernels. Runs of one op are left out."""
+    random draws), between extern kernels. Runs of one op are left out. An op Inductor drops (nothing reads
+    it) or moves (a matmul its ``addmm`` rewrite runs at the add) runs no kernel where the graph has it, so
+    it does not end a run: counted as an end, a backward's chain of in-place view updates looked like three
+    kernels where Inductor wrote one function with four 1 MiB outputs (``tests/test_inductor.py``)."""
     fusible = frozenset(fusible)
     runs: list[tuple[int, ...]] = []
     current: list[int] = []
     for k, op in enumerate(problem.ops):
+        if current and problem.ops[current[-1]].phase == op.phase and (
+                _moved_to_its_add(problem, op) or _is_dead(problem, op)):
+            continue
         loop = op.name in fusible or op.target in SEEDED_LOOP_OPS
         if loop and current and problem.ops[current[-1]].phase == op.phase:
             current.append(k)
@@ -172,6 +178,19 @@ def loop_runs(problem: Problem, fusible: Collection[str]) -> tuple[tuple[int, ..
     if len(current) > 1:
         runs.append(tuple(current))
     return tuple(runs)
+
+
+def _is_dead(problem: Problem, op: Any) -> bool:
+    """An op nothing reads and the step does not return (an empty buffer functionalization left behind):
+    Inductor's dead-code elimination drops it, so it allocates nothing and runs no kernel."""
+    return bool(op.outputs) and not op.mutates and not any(
+        problem.storage(o).users or problem.storage(o).is_output for o in op.outputs)
+
+
+def _moved_to_its_add(problem: Problem, op: Any) -> bool:
+    """A matmul whose product ``delayed_matmuls`` wrote into its add's output (0 bytes left): Inductor runs it
+    as an ``addmm`` where the add is, so where the graph has it no kernel runs."""
+    return op.target == "aten.mm.default" and all(problem.storage(o).size_bytes == 0 for o in op.outputs)
 
 
 def outputs_held_through_runs(problem: Problem, fusible: Collection[str]) -> Problem:
@@ -333,7 +352,8 @@ def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collec
     own settings). Names and ops are unchanged (some ops read more, some storages are 0 bytes), so plans made
     on it apply to the graph ``problem`` was built from."""
     fusible = _without_addmm_adds(problem, fusible)
-    fused = fused_storages(problem, fusible, inlined)
+    fused = fused_storages(problem, fusible, inlined) | {o for op in problem.ops if _is_dead(problem, op)
+                                                           for o in op.outputs}
     return replace(_as_kernels_hold_it(_allocated(problem, fused), fused, fusible, saved_in_place),
                    fused_kernels=True)
 
