@@ -390,9 +390,31 @@ def _prefetches_just_before_compute(graph: fx.Graph, op_names: set[str]) -> None
             nxt.prepend(p)
 
 
-def computed_before_prefetches(gm: fx.GraphModule) -> int:
-    """Make Inductor compute, before each prefetch, the pointwise results the graph computes before it and an
-    extern kernel reads after it; returns how many it had to pin. For planned graphs Inductor compiles.
+def _lowered_at(reader: fx.Node) -> fx.Node:
+    """Where Inductor lowers ``reader``: a matmul whose product only an add of its size reads is lowered as an
+    ``addmm`` where that add is (its post-grad rewrite; ``karma_fx.fusion.delayed_matmuls`` prices it)."""
+    users = list(reader.users)
+    if reader.target is torch.ops.aten.mm.default and len(users) == 1 and \
+            users[0].target is torch.ops.aten.add.Tensor:
+        mine, theirs = reader.meta.get("val"), users[0].meta.get("val")
+        if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and mine.numel() == theirs.numel():
+            return users[0]
+    return reader
+
+
+def _recomputes(node: fx.Node) -> bool:
+    return "recompute_of" in node.meta.get("karma", ())
+
+
+def _starts_a_recompute(node: fx.Node) -> bool:
+    """The first node of a recomputation the rewrite inserted (the node before it rebuilds nothing)."""
+    return _recomputes(node) and (node.prev.op == "root" or not _recomputes(node.prev))
+
+
+def computed_where_planned(gm: fx.GraphModule) -> int:
+    """Make Inductor compute, before each prefetch and before each recomputation, the pointwise results the graph
+    computes before it and an extern kernel reads after it; returns how many it had to pin. For planned graphs
+    Inductor compiles.
 
     Inductor lowers a pointwise op lazily: its loop is stored (realised) only when a reader needs a buffer,
     and for an extern kernel (a convolution's backward) that is when the reader is lowered, after any
@@ -402,23 +424,31 @@ def computed_before_prefetches(gm: fx.GraphModule) -> int:
     BatchNorm input and the incoming gradient it reads were held with it, 1 MiB above the plan (a small
     CNN's leanest plan measured 10% over; ``tests/test_inductor.py``). Each such result now goes
     through ``karma.wait`` (an identity for a tensor no copy made) just after it is computed: an extern
-    kernel's input, realised there."""
+    kernel's input, realised there.
+
+    A recomputation the plan places (nodes the rewrite marks ``recompute_of``) is a boundary for the same
+    reason: on a CPU Inductor emits every loop between two extern kernels as one function that allocates all
+    its outputs before it runs and frees its inputs after, so a rebuilt tensor realised with the loops before
+    it was allocated beside their outputs and held their inputs (a 1 MiB gradient chain and its rebuilt
+    activation: the in-place-views probe of ``bench/budget_probes.py`` 5% above its plan at 0.9). The
+    ``karma.wait`` between them is an extern kernel, so the rebuild starts a function of its own."""
     graph = gm.graph
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    prefetches = [position[n] for n in nodes if n.target is torch.ops.karma.prefetch.default]
-    if not prefetches:
+    boundaries = [position[n] for n in nodes if n.target is torch.ops.karma.prefetch.default
+                  or _starts_a_recompute(n)]
+    if not boundaries:
         return 0
     pinned = 0
     for node in nodes:
-        if node.op != "call_function" or not is_lazily_stored(node):
+        if node.op != "call_function" or not is_lazily_stored(node) or _recomputes(node):
             continue
         readers = extern_readers(node)
         if not readers:
             continue
-        first = min(position[r] for r in readers)
-        i = bisect.bisect_right(prefetches, position[node])
-        if i == len(prefetches) or prefetches[i] > first:
+        first = min(position[_lowered_at(r)] for r in readers)
+        i = bisect.bisect_right(boundaries, position[node])
+        if i == len(boundaries) or boundaries[i] > first:
             continue
         with graph.inserting_after(node):
             computed = graph.call_function(torch.ops.karma.wait.default, (node,))
