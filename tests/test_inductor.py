@@ -381,13 +381,14 @@ def test_a_result_an_extern_kernel_reads_is_a_buffer_its_other_readers_read():
     assert relu not in inlined and where in inlined
 
 
-def assert_measured_within_plan(model, compiled, args, kwargs, below=None, slack=0.001):
-    """A steady-state step of ``compiled`` peaks on the allocator (torch.profiler memory events) at no more than
-    the plan's peak (``slack``: a fraction of it, for the few bytes no model sees: the loss's scalar, a
-    kernel's row buffer) nor the budget, and, given ``below``, no further than that fraction under it."""
+def assert_measured_within_plan(model, compiled, args, kwargs, below=None, slack=0.001, loss=output_to_loss):
+    """A steady-state step of ``compiled`` (its output made a loss by ``loss``) peaks on the allocator
+    (torch.profiler memory events) at no more than the plan's peak (``slack``: a fraction of it, for the few
+    bytes no model sees: the loss's scalar, a kernel's row buffer) nor the budget, and, given ``below``, no
+    further than that fraction under it."""
     from karma_fx.measure_run import measure_step_peak
 
-    measured = measure_step_peak(model, compiled, args, kwargs, output_to_loss).peak_bytes
+    measured = measure_step_peak(model, compiled, args, kwargs, loss).peak_bytes
     session = compiled._session
     planned = compiled.predicted_peak_bytes
     assert measured <= planned * (1 + slack), (measured, planned)
@@ -518,6 +519,33 @@ def test_what_a_run_of_loop_ops_writes_lives_until_the_run_ends():
     # at the run's last op: q (input), exp (in the matmul's buffer), sum, div, rand, gt and mul
     assert after.peak_bytes == mb + 4 * mb + 1024 + 4 * mb + 4 * mb + mb + 4 * mb
     assert before.peak_bytes < after.peak_bytes
+
+
+def test_a_run_of_loop_ops_spans_an_op_inductor_drops_or_moves():
+    """On a CPU Inductor writes the loops between two extern kernels as one function. An empty buffer nothing
+    reads (dropped as dead code) and a matmul its post-grad pass turns into an ``addmm`` at its add (no kernel
+    where the graph has it) do not end that function: the exponential's buffer, read by the sigmoid after
+    both, is held until the run's last loop, and the dead buffer costs nothing."""
+    from karma_fx.fusion import inductor_problem
+    from karma_fx.problem import Op, Problem, Storage
+
+    mb = 1 << 20
+    ops = (Op("exp", "aten.exp.default", "fwd", ("q",), ("e",)),
+           Op("empty", "aten.new_empty_strided.default", "fwd", ("e",), ("z",)),
+           Op("mm", "aten.mm.default", "fwd", ("e", "w"), ("m",)),
+           Op("sig", "aten.sigmoid.default", "fwd", ("e",), ("s",)),
+           Op("neg", "aten.neg.default", "fwd", ("q",), ("n",)),
+           Op("add", "aten.add.Tensor", "fwd", ("m", "n"), ("a",)),
+           Op("mm_1", "aten.mm.default", "fwd", ("a", "s"), ("o",)))
+    storages = (Storage("q", mb, "input", None, (0, 4)), Storage("w", mb, "param", None, (2,)),
+                Storage("e", mb, "activation", 0, (1, 2, 3)), Storage("z", mb, "activation", 1, ()),
+                Storage("m", mb, "activation", 2, (5,)), Storage("s", mb, "activation", 3, (6,)),
+                Storage("n", mb, "activation", 4, (5,)), Storage("a", mb, "activation", 5, (6,)),
+                Storage("o", mb, "activation", 6, (), is_output=True))
+    problem = Problem(ops=ops, storages=storages, num_fwd_ops=7)
+    held = inductor_problem(problem, {"exp", "sig", "neg", "add"}, inlined=())
+    assert held.storage("z").size_bytes == 0 and held.storage("m").size_bytes == 0
+    assert held.ops[4].inputs == ("q", "e", "s")  # the run exp, sig, neg holds what exp and sig write
 
 
 def test_a_planned_graph_never_fuses_across_an_extern_kernel():
@@ -726,38 +754,50 @@ def test_plan_for_inductor_is_the_plan_compile_makes(capsys):
 
 
 def test_a_pointwise_result_read_past_a_prefetch_is_computed_before_it():
-    """``computed_before_prefetches``: a pointwise result that an extern kernel reads after a prefetch goes
+    """``computed_where_planned``: a pointwise result that an extern kernel reads after a prefetch goes
     through ``karma.wait`` where the graph computed it (Inductor then stores it there, not when the matmul is
     lowered, after the prefetch has allocated); one read before the prefetch already is stored, and the graph
     computes the same values."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from karma_fx.passes.rewrite import computed_before_prefetches
+    from karma_fx.passes.rewrite import computed_where_planned
 
     def step(a, host, b):
         doubled = a * 2  # read by the matmul after the prefetch: pinned
         early = torch.mm(b + 1, b)  # its pointwise input is read before the prefetch: left alone
         fetched = torch.ops.karma.prefetch(host, torch.device("cpu"))
-        return torch.mm(doubled, torch.ops.karma.wait(fetched)) + early
+        return torch.mm(doubled, torch.ops.karma.wait(fetched)), early
 
     args = (torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
     gm = make_fx(step)(*args)
-    assert computed_before_prefetches(gm) == 1
+    assert computed_where_planned(gm) == 1
     wait = torch.ops.karma.wait.default
     pinned = [n for n in gm.graph.nodes if n.target is wait and n.args[0].target is torch.ops.aten.mul.Tensor]
     assert len(pinned) == 1 and pinned[0].prev is pinned[0].args[0]
     assert [u.target for u in pinned[0].args[0].users] == [wait]
     torch.testing.assert_close(gm(*args), step(*args))
     plain = make_fx(lambda a, b: torch.mm(a * 2, b))(args[0], args[2])
-    assert computed_before_prefetches(plain) == 0
+    assert computed_where_planned(plain) == 0
 
     def two_results(a, host):  # a pointwise op with two outputs (read through getitem) is left alone
         mantissa, _ = torch.frexp(a)
         return torch.mm(mantissa, torch.ops.karma.wait(torch.ops.karma.prefetch(host, torch.device("cpu"))))
 
     gm = make_fx(two_results)(*args[:2])
-    computed_before_prefetches(gm)
+    computed_where_planned(gm)
     torch.testing.assert_close(gm(*args[:2]), two_results(*args[:2]))
+
+    def rebuilt(a, b, c):  # a recomputation is a boundary too; a matmul read by an add is lowered at the add
+        doubled = a * 2
+        product = torch.mm(doubled, b)
+        return product + c.sin()
+
+    gm = make_fx(rebuilt)(*args)
+    sin = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sin.default)
+    sin.meta["karma"] = {"recompute_of": "sin"}
+    assert computed_where_planned(gm) == 1
+    assert next(n for n in gm.graph.nodes if n.target is wait).args[0].target is torch.ops.aten.mul.Tensor
+    torch.testing.assert_close(gm(*args), rebuilt(*args))
 
 
 @pytest.mark.parametrize("budget", ["4.63MiB", "3.9MiB", 0.6])
@@ -768,7 +808,7 @@ def test_convolutions_split_along_the_batch_under_inductor(budget):
     the plan and the budget. In bytes: it was 0.6 of the step as written until that step was counted as it runs
     channels-last (6.37 MB, not 8.09). At 3.9 MiB, near its floor, the plan offloads three activations and ran
     10% above its model (4.02 MiB against 3.66) until each BatchNorm backward's output was computed before
-    the next convolution's input is prefetched (``passes.rewrite.computed_before_prefetches``). At 0.6 of the
+    the next convolution's input is prefetched (``passes.rewrite.computed_where_planned``). At 0.6 of the
     step as written it was refused (its floor 0.5% above) until the split backward computed each piece's input
     gradient in a call of its own (``karma_fx.split_ops``)."""
     model, compiled, x = small_cnn_trained_as_eager(budget=budget)
@@ -1066,3 +1106,59 @@ def test_reductions_are_known_without_torchs_reduction_tag(monkeypatch):
         for name in fusible._REDUCTIONS:
             _, packet, overload = name.split(".")
             assert torch.Tag.reduction in getattr(getattr(aten, packet), overload).tags, name
+
+
+class InPlaceViews(torch.nn.Module):
+    """Blocks that update views of their activation in place (a slice, a reshaped view, a row of the
+    transpose): functionalized, each update is a scatter into the tensor, and its backward a chain of copies and
+    scatters Inductor writes as loops in one function with the activation's gradient."""
+
+    def __init__(self, d: int = 256, blocks: int = 4) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.inp = nn.Linear(64, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+        self.out = nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for lin in self.blocks:
+            g = lin(h)
+            g[:, : g.shape[1] // 2].mul_(0.5)
+            g.view(g.shape[0], 4, -1)[:, 1].add_(1.0)
+            g.t()[0].sub_(0.25)
+            h = h + torch.tanh(g) * torch.sigmoid(g)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.9, 0.6])
+def test_a_step_updating_views_in_place_peaks_at_its_plan(budget):
+    """``InPlaceViews`` trains as eager and peaks within 1% of its plan, the step as written (``budget=1.0``)
+    and planned ones. Before: the step as written measured 10.7% above its model and planned steps broke the
+    budget by 7% (the in-place-views probe of ``bench/budget_probes.py``), for four reasons: (1) a view whose
+    traced value has a storage of its own was counted as a buffer beside its base (``passes.liveness``);
+    (2) Inductor writes ``copy`` and ``select_scatter`` as loops, which the model took for extern kernels that
+    end a function of loops (``passes.fusible``); (3) an empty buffer nothing reads, which Inductor drops, was
+    counted and ended one too (``fusion.loop_runs``); (4) a recomputation the plan put after that chain ran in
+    the chain's function, allocated with its buffers (``passes.rewrite.computed_where_planned``)."""
+    torch.manual_seed(0)
+    model = InPlaceViews()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(1024, 64), torch.randint(0, 8, (1024,))
+    compiled = karma_fx.compile(model, budget=budget, compiler="inductor")
+    for _ in range(2):
+        for m, run in ((model, compiled), (ref, ref)):
+            m.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(run(x), y).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert (compiled.plan.status == "KEEP") == (budget == 1.0), compiled.plan.status
+    loss = lambda out: torch.nn.functional.cross_entropy(out, y)  # noqa: E731
+    # 32-64 KiB (0.25-0.4%) above the plan, one or two logits-sized buffers around the loss: not found yet
+    if budget == 1.0:
+        from karma_fx.measure_run import measure_step_peak
+
+        measured = measure_step_peak(model, compiled, (x,), {}, loss).peak_bytes
+        assert abs(measured / compiled.predicted_peak_bytes - 1) < 0.005, (measured, compiled.predicted_peak_bytes)
+    else:
+        assert_measured_within_plan(model, compiled, (x,), {}, below=0.01, slack=0.005, loss=loss)
