@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from karma_fx.measure_run import event_device
 from karma_fx.passes.capture import CapturedStep
 from karma_fx.passes.fusible import CONVOLUTION_READS
-from karma_fx.passes.liveness import execution_order, forward_node_count, tensors_of
+from karma_fx.passes.liveness import execution_order, forward_node_count, is_mutating, tensors_of
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,10 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
     from torch.utils._python_dispatch import _disable_current_modes
 
     placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
+    # The step writes its new buffers (a BatchNorm's running statistics) into the inputs that hold them: a
+    # measuring run writes into copies, or each one would be a training step more (under Inductor, whose
+    # partitioner hands the measurement the model's own buffers, a first step counted three batches).
+    written = {ph for ph in placeholders for user in ph.users if is_mutating(user) and user.args and user.args[0] is ph}
     num_fwd = forward_node_count(step)
     order = execution_order(step)
     # Each value is dropped after its last reader, as the step itself frees it, so a timing run allocates as
@@ -166,7 +170,8 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
         done_at.setdefault(pos, []).append(node)
     device, host = primals[0].device if primals else torch.device("cpu"), torch.device("cpu")
     with _disable_current_modes(), torch.no_grad():
-        env: dict[fx.Node, Any] = dict(zip(placeholders, primals))
+        env: dict[fx.Node, Any] = {ph: t.clone() if ph in written and isinstance(t, torch.Tensor) else t
+                                   for ph, t in zip(placeholders, primals)}
         env.update(graph_constants(step.joint))
         for pos, node in enumerate(order):
             if pos == num_fwd:
