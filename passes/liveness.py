@@ -51,10 +51,35 @@ def _forward_nodes(step: CapturedStep) -> set[fx.Node]:
         stack.extend(node.all_input_nodes)
     for node in list(forward):
         forward.update(u for u in node.users if u.target is operator.getitem)
+    # A forward input the step writes its new value into (``copy_`` of a BatchNorm's running statistics, as
+    # Inductor's graphs keep input mutations) is written in the forward: taken for a backward node, it was
+    # written again by the backward graph, and every planned step counted two batches in those statistics.
+    primals = {n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")}
+    for node in graph.nodes:
+        if node.op == "call_function" and is_mutating(node) and node.args and node.args[0] in primals:
+            made = _made_from(node, forward | primals)
+            if made is not None:
+                forward.update(made)
     # What a rewrite put in the forward (swap-outs, buffer snapshots) runs there, as the partition places it,
     # though no forward output depends on it.
     forward.update(n for n in graph.nodes if "karma" in n.meta and n.meta.get("partitioner_tag") == "is_forward")
     return forward
+
+
+def _made_from(node: fx.Node, known: set[fx.Node]) -> set[fx.Node] | None:
+    """``node`` and what it is computed from beyond ``known``, or None where that reaches a graph input not in
+    ``known`` (a tangent: a value of the backward)."""
+    made: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in known or current in made:
+            continue
+        if current.op != "call_function":
+            return None if current.op == "placeholder" else made
+        made.add(current)
+        stack.extend(current.all_input_nodes)
+    return made
 
 
 def execution_order(step: CapturedStep) -> list[fx.Node]:
@@ -85,7 +110,8 @@ def storage_key(t: torch.Tensor) -> Any:
     return StorageWeakRef(t.untyped_storage())
 
 
-def _is_mutating(node: fx.Node) -> bool:
+def is_mutating(node: fx.Node) -> bool:
+    """An op whose schema writes into one of its arguments (``copy_`` into a buffer, an in-place op)."""
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
 
@@ -189,7 +215,7 @@ def build_problem(step: CapturedStep, name: str = "model") -> Problem:
         names: list[str] = []
         val = node.meta.get("val")
         if val is None and node.op == "call_function":
-            if node.target is operator.getitem or _is_mutating(node):
+            if node.target is operator.getitem or is_mutating(node):
                 return []
             raise UnsupportedModelError(f"node {describe_node(node.name, str(node.target), modules.get(node, ''))} "
                                         "has no traced value; cannot plan it")
@@ -241,7 +267,7 @@ def build_problem(step: CapturedStep, name: str = "model") -> Problem:
         makes = [s for s in node_storages[node] if created_by.get(s) is node]
         if node.target is operator.getitem:
             makes = []
-        if makes or _is_mutating(node):
+        if makes or is_mutating(node):
             op_nodes.append(node)
     # A getitem never allocates: attribute storages of multi-output ops to the op itself.
     op_index = {n: i for i, n in enumerate(op_nodes)}
@@ -280,7 +306,7 @@ def build_problem(step: CapturedStep, name: str = "model") -> Problem:
             bytes_accessed=int(node_bytes_accessed(node)),
             dtype=node_dtype(node),
             random=bool(is_random(node)),
-            mutates=_is_mutating(node),
+            mutates=is_mutating(node),
             module=modules[node],
         ))
 
