@@ -1162,3 +1162,25 @@ def test_a_step_updating_views_in_place_peaks_at_its_plan(budget):
         assert abs(measured / compiled.predicted_peak_bytes - 1) < 0.005, (measured, compiled.predicted_peak_bytes)
     else:
         assert_measured_within_plan(model, compiled, (x,), {}, below=0.01, slack=0.005, loss=loss)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.8])
+def test_batchnorm_statistics_count_one_batch_a_step(budget):
+    """A BatchNorm's running statistics after two steps are eager's, at a budget where nothing moves and at one
+    where the plan offloads. Inductor's graphs write them into the model's buffers (``copy_``): the planning
+    runs of the first step wrote into those buffers too (three batches counted after one step), and a planned
+    step wrote them in the forward and again in the backward graph (two a step)."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    ref = copy.deepcopy(model)
+    compiled = karma_fx.compile(model, budget=budget, compiler="inductor")
+    for _ in range(2):
+        x = torch.randn(512, 16)
+        for m, run in ((model, compiled), (ref, ref)):
+            m.zero_grad(set_to_none=True)
+            run(x).sum().backward()
+    assert bool(compiled.plan.decisions) == (budget < 1.0)
+    for name, mine in model[1].named_buffers():
+        torch.testing.assert_close(mine, dict(ref[1].named_buffers())[name], rtol=1e-5, atol=1e-6, msg=name)
