@@ -441,7 +441,7 @@ def computed_where_planned(gm: fx.GraphModule) -> int:
         return 0
     pinned = 0
     for node in nodes:
-        if node.op != "call_function" or not is_lazily_stored(node) or _recomputes(node):
+        if node.op != "call_function" or not is_lazily_stored(node):
             continue
         readers = extern_readers(node)
         if not readers:

@@ -799,6 +799,12 @@ def test_a_pointwise_result_read_past_a_prefetch_is_computed_before_it():
     assert next(n for n in gm.graph.nodes if n.target is wait).args[0].target is torch.ops.aten.mul.Tensor
     torch.testing.assert_close(gm(*args), rebuilt(*args))
 
+    gm = make_fx(step)(*args)  # a recomputed result read past a prefetch is pinned as any other
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.mul.Tensor:
+            node.meta["karma"] = {"recompute_of": node.name}
+    assert computed_where_planned(gm) == 1
+
 
 @pytest.mark.parametrize("budget", ["4.63MiB", "3.9MiB", 0.6])
 def test_convolutions_split_along_the_batch_under_inductor(budget):
