@@ -79,3 +79,16 @@ def random_costs(problem: Problem, times: list[float], bytes_per_us: float) -> C
     op_time = tuple(times[k % len(times)] for k in range(len(problem.ops)))
     return Costs(op_time_us=op_time, d2h_bytes_per_us=bytes_per_us, h2d_bytes_per_us=bytes_per_us,
                  copy_latency_us=1.0, device="test")
+
+
+def load_bench(name: str):
+    """``bench/<name>.py`` as a module (registered under its name, so that its dataclasses resolve)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,19 +1,16 @@
 """The benchmark scripts run (at tiny size) and print their tables; their numbers are for the closing note."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import load_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench(name)
 
 
 def test_compare_smoke(capsys, tmp_path):
