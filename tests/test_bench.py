@@ -1,12 +1,8 @@
 """The benchmark scripts run (at tiny size) and print their tables; their numbers are for the closing note."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from helpers import load_bench
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def load(name: str):
