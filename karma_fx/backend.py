@@ -278,7 +278,7 @@ class KarmaBackend:
             fw, bw = planned(*args, **kwargs)
             if pipeline is not None:  # in the partition, so that Inductor compiles the calls too
                 insert_gradient_hooks(bw, pipeline, order_reads=inductor)
-            if inductor:  # Inductor computes a pointwise result where it is read, past a prefetch
+            if inductor:  # Inductor computes a pointwise result where it is read: past a prefetch, a recompute
                 computed_where_planned(fw)
                 computed_where_planned(bw)
             return fw, bw

@@ -75,8 +75,10 @@ def _made_from(node: fx.Node, known: set[fx.Node]) -> set[fx.Node] | None:
         current = stack.pop()
         if current in known or current in made:
             continue
+        if current.op == "placeholder":
+            return None
         if current.op != "call_function":
-            return None if current.op == "placeholder" else made
+            continue  # a constant
         made.add(current)
         stack.extend(current.all_input_nodes)
     return made

@@ -156,7 +156,8 @@ def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable
     # The step writes its new buffers (a BatchNorm's running statistics) into the inputs that hold them: a
     # measuring run writes into copies, or each one would be a training step more (under Inductor, whose
     # partitioner hands the measurement the model's own buffers, a first step counted three batches).
-    written = {ph for ph in placeholders for user in ph.users if is_mutating(user) and user.args and user.args[0] is ph}
+    written = {ph for ph in placeholders for user in ph.users
+               if is_mutating(user) and user.args and user.args[0] is ph}
     num_fwd = forward_node_count(step)
     order = execution_order(step)
     # Each value is dropped after its last reader, as the step itself frees it, so a timing run allocates as
