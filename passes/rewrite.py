@@ -380,7 +380,7 @@ def _prefetches_just_before_compute(graph: fx.Graph, op_names: set[str]) -> None
 
     def is_boundary(node: fx.Node, fetched: fx.Node) -> bool:
         return (node.op == "output" or node.target is prefetch or fetched in node.all_input_nodes
-                or node.name in op_names or "recompute_of" in node.meta.get("karma", {}))
+                or node.name in op_names or _recomputes(node))
 
     for p in reversed([n for n in graph.nodes if n.target is prefetch]):
         nxt = p.next
@@ -403,6 +403,7 @@ def _lowered_at(reader: fx.Node) -> fx.Node:
 
 
 def _recomputes(node: fx.Node) -> bool:
+    """A node the rewrite inserted to rebuild a tensor the plan recomputes."""
     return "recompute_of" in node.meta.get("karma", ())
 
 
