@@ -84,8 +84,8 @@ from typing import TYPE_CHECKING, Any, Collection, Union
 import torch
 import torch.fx as fx
 
-from karma_fx.passes.fusible import (SCATTER_OPS, SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM, fusible_ops, inlined_ops,
-                                     layout_optimized, stitched, with_channels_last_copies)
+from karma_fx.passes.fusible import (SCATTER_OPS, SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM, fusible_ops,
+                                     inlined_ops, layout_optimized, stitched, with_channels_last_copies)
 from karma_fx.problem import Problem
 
 if TYPE_CHECKING:
@@ -354,8 +354,9 @@ def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collec
     (``outputs_held_through_runs``), and a temporary written over a dying input of its size costs nothing
     (``written_in_place``; ``saved_in_place``: a saved activation too, as in a step compiled with Inductor's
     own settings), and what a run reads lives until it ends too (``inputs_held_through_runs``: everything in
-    the step as written, ``saved_in_place``; the backward's temporaries otherwise). Names and ops are unchanged (some ops read more, some storages are 0 bytes), so plans made
-    on it apply to the graph ``problem`` was built from."""
+    the step as written, ``saved_in_place``; the backward's temporaries otherwise). Names and ops are unchanged
+    (some ops read more, some storages are 0 bytes), so plans made on it apply to the graph ``problem`` was
+    built from."""
     fusible = _without_addmm_adds(problem, fusible)
     fused = fused_storages(problem, fusible, inlined) | {o for op in problem.ops if _is_dead(problem, op)
                                                            for o in op.outputs}
@@ -393,9 +394,10 @@ def inputs_held_through_runs(problem: Problem, fusible: Collection[str], links: 
     or a prefetch before a reader of a saved activation, which ends the function there (``passes.rewrite``
     pins it), so a saved activation held past it would be counted too long; and a forward run is left as it is,
     since a recompute of its last op would then need everything the run read (no plan recomputes a backward
-    op). Without it, a plan of that model that moved nothing was predicted 11% under its measured peak, past its
-    budget; with it, a temporary read before a recomputation placed inside a function is counted to the
-    function's end (a 2-layer GPT with dropout, checkpointed at 0.9: one 128 KiB matmul output, 1.6% over).
+    op). Without it, that model's plan at 0.9 was predicted 10% under its measured peak, past its budget; with
+    it, a temporary read before a recomputation placed inside a function is counted to the function's end (a
+    2-layer GPT with dropout, checkpointed at 0.9: a 128 KiB matmul output; its plans 5-8% above their measured
+    peaks, where they were 4%).
     ``links``: the same ops with only what each reads for its values (before ``outputs_held_through_runs``, whose
     reads link every op of a run to its last)."""
     fusible = frozenset(fusible)
