@@ -37,8 +37,8 @@ an extern kernel for a planned graph, so a kernel never spans more than a run); 
 keeps every buffer a run writes alive until the run's last op. A 4-layer d=512 GPT with dropout, on a CPU:
 checkpoint and cpsat steps peaked 16% above their plans and cpsat past the budget; with both rules, -2.3% and
 +0.2% (-4.5% once offloaded values kept their traced layout: ``bench/inductor_overhead.py``). What a run
-reads is freed when its function returns too (``inputs_held_through_runs``): everything in the step as
-written, the backward's temporaries in a planned problem.
+reads is freed when its function returns too (``inputs_held_through_runs``): in the step as written all of it
+but what Inductor fuses elsewhere, the backward's temporaries in a planned problem.
 
 Fused storages are never candidates to offload or recompute (no backward op reads them); a recompute that
 rebuilds a chain rebuilds it in the backward, where Inductor fuses the chain again.
@@ -394,12 +394,13 @@ def inputs_held_through_runs(problem: Problem, fusible: Collection[str], links: 
     or a prefetch before a reader of a saved activation, which ends the function there (``passes.rewrite``
     pins it), so a saved activation held past it would be counted too long; and a forward run is left as it is,
     since a recompute of its last op would then need everything the run read (no plan recomputes a backward
-    op). Without it, that model's plan at 0.9 was predicted 10% under its measured peak, past its budget; with
+    op). Without it, the scattering model's plan at 0.9 was predicted 10% under its measured peak, past its budget; with
     it, a temporary read before a recomputation placed inside a function is counted to the function's end (a
     2-layer GPT with dropout, checkpointed at 0.9: a 128 KiB matmul output; its plans 5-8% above their measured
     peaks, where they were 4%).
     ``links``: the same ops with only what each reads for its values (before ``outputs_held_through_runs``, whose
-    reads link every op of a run to its last)."""
+    reads link every op of a run to its last), for the links and the earlier readers; what is held is read off
+    ``problem``, where a value written over another buffer is read through that buffer."""
     fusible = frozenset(fusible)
     held: dict[int, tuple[str, ...]] = {}
     for run in loop_runs(problem, fusible):
@@ -411,7 +412,7 @@ def inputs_held_through_runs(problem: Problem, fusible: Collection[str], links: 
         last = problem.ops[run[-1]]
         names = []
         for k in run[:-1]:
-            reads = [name for name in links.ops[k].inputs if problem.storage(name).size_bytes > 0]
+            reads = [name for name in problem.ops[k].inputs if problem.storage(name).size_bytes > 0]
             if k not in linked and reads and all(_read_earlier_in_loops(links, name, k, fusible) for name in reads):
                 continue
             names.extend(name for name in reads if name not in made and name not in last.inputs

@@ -25,26 +25,27 @@ _LOOP_OPS: frozenset[str] = frozenset({
     "aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten._to_copy.default",
     "aten.clone.default", "aten.var_mean.correction", "aten.max.dim", "aten.min.dim", "prims.iota.default",
     "prims.convert_element_type.default", "aten.slice_scatter.default", "aten.constant_pad_nd.default",
-    "aten.copy.default", "aten.select_scatter.default", "aten.as_strided_scatter.default",
+    "aten.copy.default", "aten.select_scatter.default",
 })
 """Untagged ops that Inductor lowers to a loop nest of its own (an index load, a fill, a copy, a Welford or
 arg reduction, a padding, slice or row written into a copy, a functional ``copy``) rather than to an extern
 kernel, so they fuse like pointwise and reduction nodes. ``copy`` and ``select_scatter`` (what functionalization
 makes of an in-place update of a view) counted as extern kernels, a chain of them looked like several kernels
 each freeing what the last wrote, where Inductor writes one function holding all of it (10.7% under a step's
-peak). ``as_strided_scatter`` (the backward of an ``as_strided`` read) likewise: counted as an extern kernel,
-the copy it scatters was stored beside the buffer it scatters into (a plan 16% above its measured peak)."""
+peak)."""
 
 SCATTER_OPS: frozenset[str] = frozenset({
     "aten._unsafe_masked_index_put_accumulate.default", "aten.index_put.default", "aten._unsafe_index_put.default",
-    "aten.scatter_add.default", "aten.scatter.src", "aten.scatter.value",
+    "aten.scatter_add.default", "aten.scatter.src", "aten.scatter.value", "aten.as_strided_scatter.default",
 })
 """Functional scatters Inductor lowers itself: it copies the tensor scattered into (``clone``, a loop that
 inlines what made it: an embedding's gradient is a fill written once, into the scatter's own output, not a
 zeroed buffer and then a second one) and then writes the scattered values into that copy in a loop of its own
 that reads the values, the indices and the mask inlined. The result is always stored, as a reduction's is.
 Counted as an extern kernel, a decoder's embedding gradient held its zero fill and the result (two 64 KiB
-buffers at the tiny size, and the eager kernel's 8 KiB scratch besides: 7.6% over a Llama step's peak)."""
+buffers at the tiny size, and the eager kernel's 8 KiB scratch besides: 7.6% over a Llama step's peak).
+``as_strided_scatter`` (the backward of an ``as_strided`` read) is lowered the same way: counted as an extern
+kernel, the copy it scatters was stored beside the buffer it scatters into (a plan 16% above its peak)."""
 
 SEEDED_LOOP_OPS: frozenset[str] = frozenset({
     "prims.inductor_random.default", "prims.inductor_randint.default", "prims.inductor_lookup_seed.default",
