@@ -12,8 +12,9 @@ Default (``--mode points``), the bar a user checks first: ``torch.compile(model)
 ``torch._functorch.config.activation_memory_budget`` at each of ``--ratios``. Per ratio, in one process with a
 reset Dynamo: PyTorch's step is compiled under that ratio and its steady-state peak measured
 (``AllocatorPeak``); karma (``compiler="inductor"``, measured costs) is compiled with that peak as its budget
-in bytes and trained ``--settle`` steps (it measures its step and plans again where the step broke the budget:
-``karma_fx.margin``); karma's steady peak is measured; then the two are timed interleaved, one step of each in
+in bytes and trained ``--settle`` steps with the copies it is timed with (``--copies``: the plan prices each
+copy) (it measures its step and plans again where the step broke the budget: ``karma_fx.margin``); karma's
+steady peak is measured (copies synchronous: the same plan, freed where it frees); then the two are timed interleaved, one step of each in
 turn for ``--rounds`` rounds, and the ratio of the medians printed (absolute times drift by several percent over
 minutes on a shared machine; their ratio within one process does not). One more row sets karma at
 ``budget=1.0`` against plain ``torch.compile``. The floors: PyTorch's lowest measured peak over the ratios, and
@@ -358,6 +359,8 @@ def tables(name: str, families: dict[str, list[Point]], tolerance: float) -> str
 def _settled(model: nn.Module, step: Callable, args: tuple, kwargs: dict, steps: int) -> Callable[[], None]:
     """One training step of ``step`` as a callable, after ``steps`` of them (compiles, karma's measuring)."""
     def one() -> None:
+        for p in model.parameters():  # a peak measured in between leaves its gradients: a step must not add to them
+            p.grad = None
         output_to_loss(step(*args, **kwargs)).backward()
         for p in model.parameters():
             p.grad = None
@@ -404,7 +407,8 @@ def at_their_points(name: str, a: argparse.Namespace) -> str:
                 theirs_lowest = (knob, their_peak)
             mine_model, mine, margs, mkwargs = _karma_at(name, 1.0 if ratio is None else their_peak, a)
             try:
-                my_step = _settled(mine_model, mine, margs, mkwargs, a.settle)
+                with copy_mode(a.copies):  # planned for the copies it is timed with (they price each copy)
+                    my_step = _settled(mine_model, mine, margs, mkwargs, a.settle)
             except InfeasibleBudgetError as e:
                 rows.append([knob, f"{their_peak / MIB:.2f}", "-", f"refused: smallest {e.min_budget_bytes / MIB:.2f}"
                              if e.min_budget_bytes else "refused", "-", "-", "-"])
