@@ -21,8 +21,8 @@ minutes on a shared machine; their ratio within one process does not). One more 
 karma's (a budget of 1 KiB is refused naming the smallest total; karma is trained and measured at it).
 
 Models: a 4-layer d=512 GPT at sequence 512 (batch 2, vocab 2048), a 4-layer d=256 GPT with a vocabulary of 8192
-(its loss head dominates: the logits alone are 32 MiB) and a ResNet-18 (basic blocks [2, 2, 2, 2],
-width 64) on 64x64 images, batch 32. Every configuration gets a fresh model and a reset Dynamo, is run twice
+(its loss head dominates: the logits alone are 32 MiB), a ResNet-18 (basic blocks [2, 2, 2, 2],
+width 64) on 64x64 images, batch 32, and a probe, a two-pass residual MLP (d=128, batch 8x256). Every configuration gets a fresh model and a reset Dynamo, is run twice
 (compile, then a steady-state step that fills any host-buffer pool), timed over ``--steps`` steps (median;
 the fastest is shown too, a hint of how much other work on the machine disturbed them), then run once more
 under ``AllocatorPeak`` (torch.profiler's allocator events; weights, buffers and inputs added as what existed
@@ -134,12 +134,35 @@ def resnet18(batch: int = 32, image: int = 64) -> tuple[nn.Module, tuple, dict]:
     return ResNet18().train(), (torch.randn(batch, 3, image, image),), {}
 
 
+class TwoPassMLP(nn.Module):
+    """Residual blocks of LayerNorm, Linear d→4d, GELU, Linear 4d→d, each block run twice: the probe shape of the
+    issue that made Inductor the default (PyTorch's budget partitioner reached 18.04 MiB where karma refused
+    every budget below 20.77), a graph made of pointwise ops Inductor fuses and recomputes inside its kernels."""
+
+    def __init__(self, d: int = 128, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                    for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+            x = x + block(x)
+        return x.square().mean()
+
+
+def two_pass_mlp(batch: int = 8, seq: int = 256, d: int = 128) -> tuple[nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    return TwoPassMLP(d).train(), (torch.randn(batch, seq, d),), {}
+
+
 MODELS: dict[str, Callable[[], tuple[nn.Module, tuple, dict]]] = {
     "gpt-4x512": lambda: build("megatron_gpt", "tiny", batch=2, seq=512, layers=4, hidden=512, heads=8, vocab=2048),
     # the loss head's cell (issue: a medium decoder with a vocabulary of 8k or more): its logits are 32 MiB
     "gpt-4x256-v8k": lambda: build("megatron_gpt", "tiny", batch=2, seq=512, layers=4, hidden=256, heads=4,
                                    vocab=8192),
     "resnet18-64px": resnet18,
+    "mlp-2pass": two_pass_mlp,  # a probe: pointwise ops Inductor fuses (``TwoPassMLP``)
     "mlp-tiny": lambda: build("mlp", "tiny"),  # a quick check of the bench itself, not a comparison
 }
 
