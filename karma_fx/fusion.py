@@ -23,10 +23,13 @@ where the graph computed it (``inlined_reads``): a residual block's ReLU mask is
 connection's gradient sum at the block's end, and the block's output stays allocated until then. Counted
 where the mask was made, a residual CNN's planned backward held one output more per block than its plan (8.26
 MiB measured against 5.26 predicted). Inductor then often writes a kernel's output over such an input, which
-dies there, when the sizes match (``written_in_place``: a log-softmax over the logits it reads again).
+dies there, when the sizes match (``written_in_place``: a log-softmax over the logits it reads again). A result
+an extern kernel reads only through a view (a matmul's 2-D view of a 3-D result) is stored as that view, and
+its other loop readers compute it again (``computed_again_past_views``).
 
 One rewrite moves memory the other way: Inductor's post-grad pass turns ``add(mm(a, b), c)`` into
-``addmm(c, a, b)`` where the add was, so ``a`` and ``b`` live until then (``delayed_matmuls``).
+``addmm(c, a, b)`` where the add was, so ``a`` and ``b`` live until then (``delayed_matmuls``; one matmul an
+add).
 
 And a fused kernel allocates every buffer it writes before it runs: Inductor's scheduler fuses the stored
 results of neighbouring loop ops into one kernel (an attention's softmax and its dropout: the exponentials,
@@ -79,20 +82,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Collection, Union
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Union
 
 import torch
 import torch.fx as fx
 
 from karma_fx.passes.fusible import (SCATTER_OPS, SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM, fusible_ops,
-                                     inlined_ops, layout_optimized, stitched, with_channels_last_copies)
+                                     inlined_ops, inlined_past_views, layout_optimized, stitched,
+                                     with_channels_last_copies)
 from karma_fx.problem import Problem
 
 if TYPE_CHECKING:
     from karma_fx.costs import Costs
     from karma_fx.device import DeviceSpec
 
-__all__ = ["delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem", "inlined_reads",
+__all__ = ["computed_again_past_views", "delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem", "inlined_reads",
            "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "PartitionPeaks",
            "partition_peaks", "saved_for_shapes_held", "tangents_held", "written_in_place"]
 
@@ -130,20 +134,31 @@ def delayed_matmuls(problem: Problem) -> Problem:
 
 
 def _addmm_rewrites(problem: Problem) -> list[tuple[int, int]]:
-    """(matmul, add) op indices of each ``add(mm(a, b), c)`` Inductor's post-grad pass rewrites to ``addmm``."""
+    """(matmul, add) op indices of each ``add(mm(a, b), c)`` Inductor's post-grad pass rewrites to ``addmm``.
+    One matmul an add: its patterns try ``add(c, mm(a, b))`` first, so where both addends are matmuls (a weight
+    used twice: its two gradients summed) the second becomes the ``addmm`` and the first runs where it is. Both
+    delayed, a two-pass residual MLP's planned step held both passes' 4 MiB activations to the add, and its
+    plan was predicted at 22.77 MiB where it measured 13.27."""
     found = []
-    for k, op in enumerate(problem.ops):
-        if op.target != "aten.mm.default" or len(op.outputs) != 1:
+    for a, add in enumerate(problem.ops):
+        if add.target != "aten.add.Tensor" or len(add.outputs) != 1 or len(add.inputs) != 2:
             continue
-        out = problem.storage(op.outputs[0])
-        if out.is_output or len(out.users) != 1:
-            continue
-        add = problem.ops[out.users[0]]
-        if (add.target != "aten.add.Tensor" or add.phase != op.phase or len(add.outputs) != 1
-                or problem.storage(add.outputs[0]).size_bytes != out.size_bytes):
-            continue
-        found.append((k, out.users[0]))
-    return found
+        for name in reversed(add.inputs):
+            k = problem.storage(name).producer
+            if k is not None and _rewritten_into(problem, k, a):
+                found.append((k, a))
+                break
+    return sorted(found)
+
+
+def _rewritten_into(problem: Problem, k: int, a: int) -> bool:
+    """Whether op ``k`` is a matmul whose only reader is the add ``a``, in its phase, of the same size."""
+    op, add = problem.ops[k], problem.ops[a]
+    if op.target != "aten.mm.default" or len(op.outputs) != 1:
+        return False
+    out = problem.storage(op.outputs[0])
+    return (not out.is_output and out.users == (a,) and add.phase == op.phase
+            and problem.storage(add.outputs[0]).size_bytes == out.size_bytes)
 
 
 def _without_addmm_adds(problem: Problem, fusible: Collection[str]) -> frozenset[str]:
@@ -219,8 +234,14 @@ def _with_more_inputs(problem: Problem, more: dict[int, tuple[str, ...]], emptie
     storages in ``emptied`` at 0 bytes."""
     if not more and not emptied:
         return problem
-    ops = tuple(replace(op, inputs=op.inputs + tuple(dict.fromkeys(more[k]))) if k in more else op
-                for k, op in enumerate(problem.ops))
+    return _with_ops(problem, [replace(op, inputs=op.inputs + tuple(dict.fromkeys(more[k]))) if k in more else op
+                               for k, op in enumerate(problem.ops)], emptied)
+
+
+def _with_ops(problem: Problem, ops: list[Any], emptied: Collection[str] = ()) -> Problem:
+    """``problem`` with ``ops`` (the same ops, reading other storages), every storage's readers recomputed, and
+    the storages in ``emptied`` at 0 bytes."""
+    ops = tuple(ops)
     readers: dict[str, set[int]] = {}
     for k, op in enumerate(ops):
         for name in op.inputs:
@@ -238,6 +259,30 @@ def _allocated(problem: Problem, fused: frozenset[str]) -> Problem:
         storages = tuple(replace(s, size_bytes=0) if s.name in fused else s for s in problem.storages)
         problem = replace(problem, storages=storages, _index={}, _op_index={})
     return delayed_matmuls(problem)
+
+
+def computed_again_past_views(problem: Problem, past_views: Mapping[str, Collection[str]]) -> Problem:
+    """``problem`` with each loop op that computes a stored result again inline (``passes.fusible.
+    inlined_past_views``: an extern kernel reads it only through a view) reading what the result is computed
+    from instead of the result, where both are in one phase (a saved activation is its forward's output, never
+    computed again in the backward)."""
+    if not past_views:
+        return problem
+    by_name = {op.name: k for k, op in enumerate(problem.ops)}
+    ops = list(problem.ops)
+    for name, readers in past_views.items():
+        if name not in by_name or not problem.ops[by_name[name]].outputs:
+            continue
+        maker = problem.ops[by_name[name]]
+        stored = maker.outputs[0]
+        for reader in readers:
+            k = by_name.get(reader)
+            if k is None or ops[k].phase != maker.phase or stored not in ops[k].inputs:
+                continue
+            inputs = [i for i in ops[k].inputs if i != stored]
+            inputs += [i for i in maker.inputs if i not in inputs and i not in ops[k].outputs]
+            ops[k] = replace(ops[k], inputs=tuple(inputs))
+    return _with_ops(problem, ops)
 
 
 def inlined_reads(problem: Problem, fused: Collection[str]) -> Problem:
@@ -347,7 +392,8 @@ def written_in_place(problem: Problem, fusible: Collection[str], saved_too: bool
 
 
 def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collection[str], *,
-                     saved_in_place: bool = False) -> Problem:
+                     saved_in_place: bool = False, past_views: Mapping[str, Collection[str]] | None = None
+                     ) -> Problem:
     """``problem`` as Inductor allocates it: each fused storage (``fused_storages``) has 0 bytes and its readers
     read what it is computed from (``inlined_reads``), the matmuls of ``addmm`` rewrites run late
     (``delayed_matmuls``), what a run of loop ops writes lives until the run ends
@@ -360,8 +406,8 @@ def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collec
     fusible = _without_addmm_adds(problem, fusible)
     fused = fused_storages(problem, fusible, inlined) | {o for op in problem.ops if _is_dead(problem, op)
                                                            for o in op.outputs}
-    return replace(_as_kernels_hold_it(_allocated(problem, fused), fused, fusible, saved_in_place),
-                   fused_kernels=True)
+    allocated = computed_again_past_views(_allocated(problem, fused), past_views or {})
+    return replace(_as_kernels_hold_it(allocated, fused, fusible, saved_in_place), fused_kernels=True)
 
 
 def _as_kernels_hold_it(allocated: Problem, fused: frozenset[str], fusible: Collection[str],
@@ -568,8 +614,8 @@ def kernel_costs(problem: Problem, costs: "Costs", fused: Collection[str],
 
 
 def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], inlined: Collection[str],
-                   device: Union["DeviceSpec", str, None] = None, *, measured: bool = False
-                   ) -> tuple[Problem, "Costs"]:
+                   device: Union["DeviceSpec", str, None] = None, *, measured: bool = False,
+                   past_views: Mapping[str, Collection[str]] | None = None) -> tuple[Problem, "Costs"]:
     """The problem and costs of a step Inductor compiles: memory as it allocates it (``inductor_problem``) and
     time as it runs the kernels (``kernel_costs``), both from the same fusion decisions. ``costs`` are those
     of the unfused ops of ``problem`` (a roofline on ``device``, or ``measured``)."""
@@ -578,7 +624,8 @@ def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], i
     allocated = _allocated(problem, fused)
     # costed before the runs' held outputs are added as reads: a kernel reads its inputs, not those
     timed = kernel_costs(allocated, costs, fused, device, measured=measured)
-    return replace(_as_kernels_hold_it(allocated, fused, fusible), fused_kernels=True), timed
+    held = _as_kernels_hold_it(computed_again_past_views(allocated, past_views or {}), fused, fusible)
+    return replace(held, fused_kernels=True), timed
 
 
 @dataclass(frozen=True)
@@ -634,7 +681,7 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     step = CapturedStep(joint=joint, primal_kinds=(), primal_names=(), num_fwd_outputs=num_fwd_outputs,
                         output_names=())
     problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph),
-                               saved_in_place=as_compiled)
+                               saved_in_place=as_compiled, past_views=inlined_past_views(joint.graph))
     timeline = simulate(problem, (), estimate_costs(problem), detail=False)
     memory = [b for _, b in timeline.memory]
     split = timeline.forward_items

@@ -109,11 +109,11 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
     costs = replace(costs, device=pricing.describe(where))
     if pricing.compiler == "inductor":
         from karma_fx.fusion import inductor_model
-        from karma_fx.passes.fusible import fusible_ops, inlined_ops
+        from karma_fx.passes.fusible import fusible_ops, inlined_ops, inlined_past_views
 
         graph = step.joint.graph
         problem, costs = inductor_model(problem, costs, fusible_ops(graph), inlined_ops(graph), pricing.device,
-                                        measured=pricing.time == "measured")
+                                        measured=pricing.time == "measured", past_views=inlined_past_views(graph))
     return problem, costs, pricing
 
 

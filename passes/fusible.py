@@ -17,7 +17,8 @@ import torch.fx as fx
 from karma_fx.passes.liveness import storage_key
 
 __all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "extern_readers", "fusible_ops",
-           "inlined_ops", "is_lazily_stored", "layout_optimized", "stitched", "with_channels_last_copies"]
+           "inlined_ops", "inlined_past_views", "is_lazily_stored", "layout_optimized", "stitched",
+           "with_channels_last_copies"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -114,13 +115,15 @@ def fusible_ops(graph: fx.Graph) -> frozenset[str]:
     return frozenset(n.name for n in graph.nodes if n.op == "call_function" and _computes_in_loops(n.target))
 
 
-def inlined_ops(graph: fx.Graph) -> frozenset[str]:
+def inlined_ops(graph: fx.Graph, *, extern_through_views: bool = True) -> frozenset[str]:
     """Names of the pointwise nodes of ``graph`` whose result Inductor's lowering inlines into its readers
     rather than storing. Lowering walks the graph in order and stores (realises) a pointwise result that
     several nodes read when recomputing it in each would cost too much: its expression, with everything
     inlined into it, holds a transcendental op on a CPU, more than ``realize_opcount_threshold`` ops, or
     reads more than ``realize_reads_threshold`` stored buffers; and any result that has accumulated more
-    than the accumulated-reads threshold of buffer reads. Reductions and scatters always write a buffer."""
+    than the accumulated-reads threshold of buffer reads. Reductions and scatters always write a buffer.
+    ``extern_through_views`` false: an extern kernel that reads a result through a view does not make it stored
+    (``inlined_past_views``)."""
     from torch._inductor import config
 
     reads: dict[fx.Node, frozenset[fx.Node]] = {}
@@ -155,7 +158,8 @@ def inlined_ops(graph: fx.Graph) -> frozenset[str]:
         many_readers = len(set(node.users)) > 1 or any(_is_view(u) and len(u.users) > 1 for u in node.users)
         stored = (many_readers and ((cpu and any(op in _HEAVY_ON_CPU for op in my_ops))
                                     or my_count > opcount_limit or len(my_reads) > config.realize_reads_threshold)
-                  ) or len(my_reads) > acc_limit or _read_by_extern(node)
+                  ) or len(my_reads) > acc_limit or (_read_by_extern(node) if extern_through_views
+                                                     else _read_by_extern_directly(node))
         if not stored:
             inlined.add(node)
             reads[node], ops[node], count[node] = frozenset(my_reads), frozenset(my_ops), my_count
@@ -196,6 +200,42 @@ def _read_by_extern(node: fx.Node) -> bool:
     too costly to inline; Inductor inlines the mask into each reader, and the output stayed allocated past
     where the model freed it (a pooling CNN's step 0.8 MiB over its plan, 14%)."""
     return bool(extern_readers(node, copy_into_input_is_extern=True))
+
+
+def _read_by_extern_directly(node: fx.Node) -> bool:
+    return any(u.op == "call_function" and not _is_view(u) and not _computes_in_loops(u.target) for u in node.users)
+
+
+def inlined_past_views(graph: fx.Graph) -> dict[str, frozenset[str]]:
+    """Pointwise results an extern kernel reads only through a view, each with the loop ops that compute it
+    again inline: Inductor stores the view the kernel reads (``buf0 = (2048, 128)`` for a matmul), not the result
+    itself, which stays unstored and is inlined into its other loop readers, so what it is computed from is read
+    there. A two-pass residual MLP's backward starts with the loss's gradient (``2 * x * g / n``): a matmul
+    reads its 2-D view, and the residual gradient's sum, a block later, computes it again from ``x``, which stays
+    allocated until then (1 MiB above every plan of that step, the step as written too). Readers of the viewed
+    buffer itself (a bias gradient's sum of the same 2-D view) read that buffer. Only results that Inductor
+    would inline were no extern kernel reading them (``inlined_ops``)."""
+    variant = inlined_ops(graph, extern_through_views=False)
+    found: dict[str, frozenset[str]] = {}
+    for node in graph.nodes:
+        if node.name not in variant or not _read_by_extern(node):
+            continue
+        stored_views = {u for u in node.users if _is_view(u) and extern_readers(u, copy_into_input_is_extern=True)}
+        readers: set[str] = set()
+        stack = [u for u in node.users if u not in stored_views]
+        seen: set[fx.Node] = set()
+        while stack:
+            user = stack.pop()
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            if _is_view(user):
+                stack.extend(user.users)
+            elif _computes_in_loops(user.target):
+                readers.add(user.name)
+        if readers:
+            found[node.name] = frozenset(readers)
+    return found
 
 
 STITCHED_FROM = "karma_stitched_from"
