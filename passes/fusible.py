@@ -202,6 +202,10 @@ def _read_by_extern(node: fx.Node) -> bool:
     return bool(extern_readers(node, copy_into_input_is_extern=True))
 
 
+_RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"})
+"""Views Inductor computes as a new loop over the result's expression when an extern kernel needs them stored."""
+
+
 def _read_by_extern_directly(node: fx.Node) -> bool:
     return any(u.op == "call_function" and not _is_view(u) and not _computes_in_loops(u.target) for u in node.users)
 
@@ -214,13 +218,16 @@ def inlined_past_views(graph: fx.Graph) -> dict[str, frozenset[str]]:
     reads its 2-D view, and the residual gradient's sum, a block later, computes it again from ``x``, which stays
     allocated until then (1 MiB above every plan of that step, the step as written too). Readers of the viewed
     buffer itself (a bias gradient's sum of the same 2-D view) read that buffer. Only results that Inductor
-    would inline were no extern kernel reading them (``inlined_ops``)."""
+    would inline were no extern kernel reading them (``inlined_ops``), and only through a reshape: a transpose
+    (a ReLU gradient a matmul reads as ``t``) stores the result itself, which its other readers then read.""" 
     variant = inlined_ops(graph, extern_through_views=False)
     found: dict[str, frozenset[str]] = {}
     for node in graph.nodes:
         if node.name not in variant or not _read_by_extern(node):
             continue
         stored_views = {u for u in node.users if _is_view(u) and extern_readers(u, copy_into_input_is_extern=True)}
+        if not all(str(u.target) in _RESHAPES for u in stored_views):
+            continue  # a transpose reinterprets the stored result itself (a ReLU gradient a matmul reads as ``t``)
         readers: set[str] = set()
         stack = [u for u in node.users if u not in stored_views]
         seen: set[fx.Node] = set()
