@@ -1224,37 +1224,21 @@ def test_batchnorm_statistics_count_one_batch_a_step(budget):
         torch.testing.assert_close(mine, dict(ref[1].named_buffers())[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-class _TwoPassMLP(torch.nn.Module):
-    """Residual blocks (LayerNorm, Linear, GELU, Linear), each run twice, and a loss of squares: the backward
-    starts with ``2 * x * g / n``, which a matmul reads through a 2-D view and a residual gradient a block later
-    reads as it is."""
-
-    def __init__(self, d: int = 32, blocks: int = 2) -> None:
-        super().__init__()
-        nn = torch.nn
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-                                    for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-            x = x + block(x)
-        return x.square().mean()
-
-
 @pytest.mark.parametrize("budget", [1.0, 0.7])
 def test_a_result_a_matmul_reads_through_a_view_is_computed_again_where_loops_read_it(budget):
     """Inductor stores the 2-D view a matmul reads of a pointwise result, not the result, and computes the result
-    again in each loop that reads it, so what it is computed from stays allocated until then
-    (``passes.fusible.inlined_past_views``): the two-pass MLP's steps, as written and planned, peak at their
-    prediction (without that rule 2.2% and 3.4% above it; at d=128, 1 MiB: the last residual sum held a block
+    again in each loop that reads it (the two-pass MLP's backward starts with ``2 * x * g / n``, which a matmul
+    reads as a 2-D view and a residual gradient a block later as it is), so what it is computed from stays
+    allocated until then (``passes.fusible.inlined_past_views``): the two-pass MLP's steps, as written and
+    planned, peak at their prediction (without that rule 2.2% and 3.4% above it; at d=128, 1 MiB: the last residual sum held a block
     longer). Each weight is used twice, so its two gradients are summed, and only the second product runs in the
     sum (``fusion.delayed_matmuls``; with both delayed the step as written was 0.5% under its peak, and a plan at
     d=128 predicted 72% above its own)."""
+    from helpers import load_bench
     from karma_fx.measure_run import measure_step_peak
 
     torch.manual_seed(0)
-    model = _TwoPassMLP()
+    model = load_bench("versus_torch").TwoPassMLP(d=32, blocks=2)  # a block run twice, a loss of squares
     ref = copy.deepcopy(model)
     x = torch.randn(4, 128, 32)
     compiled = karma_fx.compile(model, budget=budget, compiler="inductor", costs="roofline")
