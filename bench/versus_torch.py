@@ -447,7 +447,7 @@ def at_their_points(name: str, a: argparse.Namespace) -> str:
             print(f"  {name} {knob}: {rows[-1]}", flush=True)
     floor = ["karma's lowest", "-", "-", "-", "-", "-", "-", "-"]
     try:
-        with _fresh(name):
+        with _fresh(name), copy_mode(a.copies):
             model, step, args, kwargs = _karma_at(name, 1024, a)
             _settled(model, step, args, kwargs, 1)
     except InfeasibleBudgetError as e:
@@ -455,7 +455,8 @@ def at_their_points(name: str, a: argparse.Namespace) -> str:
         with _fresh(name):
             model, step, args, kwargs = _karma_at(name, named, a)
             try:
-                _settled(model, step, args, kwargs, a.settle)
+                with copy_mode(a.copies):
+                    _settled(model, step, args, kwargs, a.settle)
                 peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
                 floor = ["karma's lowest", "-", "-", f"{peak / MIB:.2f}", "-", "-",
                          f"budget {named / MIB:.2f}", len(step.plan.decisions)]

@@ -24,8 +24,9 @@ connection's gradient sum at the block's end, and the block's output stays alloc
 where the mask was made, a residual CNN's planned backward held one output more per block than its plan (8.26
 MiB measured against 5.26 predicted). Inductor then often writes a kernel's output over such an input, which
 dies there, when the sizes match (``written_in_place``: a log-softmax over the logits it reads again). A result
-an extern kernel reads only through a view (a matmul's 2-D view of a 3-D result) is stored as that view, and
-its other loop readers compute it again (``computed_again_past_views``).
+an extern kernel reads only through a reshape Inductor stores by itself (a matmul's 2-D view of a 3-D result,
+read by a bias gradient's sum too) is stored as that view, and its other loop readers compute it again
+(``computed_again_past_views``; the conditions in ``passes.fusible.inlined_past_views``).
 
 One rewrite moves memory the other way: Inductor's post-grad pass turns ``add(mm(a, b), c)`` into
 ``addmm(c, a, b)`` where the add was, so ``a`` and ``b`` live until then (``delayed_matmuls``; one matmul an
@@ -96,8 +97,8 @@ if TYPE_CHECKING:
     from karma_fx.costs import Costs
     from karma_fx.device import DeviceSpec
 
-__all__ = ["computed_again_past_views", "delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem", "inlined_reads",
-           "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "PartitionPeaks",
+__all__ = ["computed_again_past_views", "delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem",
+           "inlined_reads", "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "PartitionPeaks",
            "partition_peaks", "saved_for_shapes_held", "tangents_held", "written_in_place"]
 
 _FUSED_KINDS = ("activation", "temp")
@@ -261,25 +262,27 @@ def _allocated(problem: Problem, fused: frozenset[str]) -> Problem:
     return delayed_matmuls(problem)
 
 
-def computed_again_past_views(problem: Problem, past_views: Mapping[str, Collection[str]]) -> Problem:
+def computed_again_past_views(problem: Problem, past_views: Mapping[str, Mapping[str, bool]]) -> Problem:
     """``problem`` with each loop op that computes a stored result again inline (``passes.fusible.
-    inlined_past_views``: an extern kernel reads it only through a view) reading what the result is computed
-    from instead of the result, where both are in one phase (a saved activation is its forward's output, never
-    computed again in the backward)."""
+    inlined_past_views``: an extern kernel reads it only through a reshape Inductor stores by itself) reading
+    what the result is computed from, and the result's storage (the stored reshape) only where it reads that too.
+    Not for a result the step returns or saves for another phase: its graph stores it whole."""
     if not past_views:
         return problem
     by_name = {op.name: k for k, op in enumerate(problem.ops)}
     ops = list(problem.ops)
-    for name, readers in past_views.items():
-        if name not in by_name or not problem.ops[by_name[name]].outputs:
+    for name in sorted((n for n in past_views if n in by_name), key=by_name.__getitem__):
+        maker = ops[by_name[name]]
+        if len(maker.outputs) != 1:
             continue
-        maker = problem.ops[by_name[name]]
-        stored = maker.outputs[0]
-        for reader in readers:
+        stored = problem.storage(maker.outputs[0])
+        if stored.is_output or any(problem.ops[u].phase != maker.phase for u in stored.users):
+            continue
+        for reader, reads_the_view in past_views[name].items():
             k = by_name.get(reader)
-            if k is None or ops[k].phase != maker.phase or stored not in ops[k].inputs:
+            if k is None or ops[k].phase != maker.phase or stored.name not in ops[k].inputs:
                 continue
-            inputs = [i for i in ops[k].inputs if i != stored]
+            inputs = [i for i in ops[k].inputs if reads_the_view or i != stored.name]
             inputs += [i for i in maker.inputs if i not in inputs and i not in ops[k].outputs]
             ops[k] = replace(ops[k], inputs=tuple(inputs))
     return _with_ops(problem, ops)
@@ -392,7 +395,7 @@ def written_in_place(problem: Problem, fusible: Collection[str], saved_too: bool
 
 
 def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collection[str], *,
-                     saved_in_place: bool = False, past_views: Mapping[str, Collection[str]] | None = None
+                     saved_in_place: bool = False, past_views: Mapping[str, Mapping[str, bool]] | None = None
                      ) -> Problem:
     """``problem`` as Inductor allocates it: each fused storage (``fused_storages``) has 0 bytes and its readers
     read what it is computed from (``inlined_reads``), the matmuls of ``addmm`` rewrites run late
@@ -615,7 +618,7 @@ def kernel_costs(problem: Problem, costs: "Costs", fused: Collection[str],
 
 def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], inlined: Collection[str],
                    device: Union["DeviceSpec", str, None] = None, *, measured: bool = False,
-                   past_views: Mapping[str, Collection[str]] | None = None) -> tuple[Problem, "Costs"]:
+                   past_views: Mapping[str, Mapping[str, bool]] | None = None) -> tuple[Problem, "Costs"]:
     """The problem and costs of a step Inductor compiles: memory as it allocates it (``inductor_problem``) and
     time as it runs the kernels (``kernel_costs``), both from the same fusion decisions. ``costs`` are those
     of the unfused ops of ``problem`` (a roofline on ``device``, or ``measured``)."""

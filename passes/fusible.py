@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import operator
+from typing import Iterable
 
 import torch
 import torch.fx as fx
@@ -115,15 +116,20 @@ def fusible_ops(graph: fx.Graph) -> frozenset[str]:
     return frozenset(n.name for n in graph.nodes if n.op == "call_function" and _computes_in_loops(n.target))
 
 
-def inlined_ops(graph: fx.Graph, *, extern_through_views: bool = True) -> frozenset[str]:
+def inlined_ops(graph: fx.Graph) -> frozenset[str]:
     """Names of the pointwise nodes of ``graph`` whose result Inductor's lowering inlines into its readers
     rather than storing. Lowering walks the graph in order and stores (realises) a pointwise result that
     several nodes read when recomputing it in each would cost too much: its expression, with everything
     inlined into it, holds a transcendental op on a CPU, more than ``realize_opcount_threshold`` ops, or
     reads more than ``realize_reads_threshold`` stored buffers; and any result that has accumulated more
-    than the accumulated-reads threshold of buffer reads. Reductions and scatters always write a buffer.
-    ``extern_through_views`` false: an extern kernel that reads a result through a view does not make it stored
-    (``inlined_past_views``)."""
+    than the accumulated-reads threshold of buffer reads. Reductions and scatters always write a buffer."""
+    return frozenset(n.name for n in _inlining(graph, views_stored_alone=False)[0])
+
+
+def _inlining(graph: fx.Graph, *, views_stored_alone: bool) -> tuple[set[fx.Node], dict[fx.Node, frozenset[fx.Node]]]:
+    """The nodes ``inlined_ops`` names, and for each the stored nodes its expression reads. ``views_stored_alone``:
+    a result an extern kernel reads only through views Inductor stores by themselves (``_stores_only_the_view``)
+    is not stored for that (``inlined_past_views``)."""
     from torch._inductor import config
 
     reads: dict[fx.Node, frozenset[fx.Node]] = {}
@@ -132,6 +138,7 @@ def inlined_ops(graph: fx.Graph, *, extern_through_views: bool = True) -> frozen
     inlined: set[fx.Node] = set()
     base: dict[fx.Node, fx.Node] = {}
     opcount_limit = config.realize_opcount_threshold or config._realize_opcount_threshold_default
+    backward = _after_tangents(graph) if views_stored_alone else set()
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -145,7 +152,7 @@ def inlined_ops(graph: fx.Graph, *, extern_through_views: bool = True) -> frozen
         my_count = 1
         for arg in node.all_input_nodes:
             src = base.get(arg, arg)
-            if src in inlined:
+            if src in inlined and (node not in backward or src in backward):  # a saved value is the forward's output
                 my_reads |= reads[src]
                 my_ops |= ops[src]
                 my_count += count[src]
@@ -158,12 +165,12 @@ def inlined_ops(graph: fx.Graph, *, extern_through_views: bool = True) -> frozen
         many_readers = len(set(node.users)) > 1 or any(_is_view(u) and len(u.users) > 1 for u in node.users)
         stored = (many_readers and ((cpu and any(op in _HEAVY_ON_CPU for op in my_ops))
                                     or my_count > opcount_limit or len(my_reads) > config.realize_reads_threshold)
-                  ) or len(my_reads) > acc_limit or (_read_by_extern(node) if extern_through_views
-                                                     else _read_by_extern_directly(node))
+                  ) or len(my_reads) > acc_limit or (_read_by_extern_unless_through_views(node) if views_stored_alone
+                                                     else _read_by_extern(node))
         if not stored:
             inlined.add(node)
             reads[node], ops[node], count[node] = frozenset(my_reads), frozenset(my_ops), my_count
-    return frozenset(n.name for n in inlined)
+    return inlined, reads
 
 
 def is_lazily_stored(node: fx.Node) -> bool:
@@ -202,47 +209,90 @@ def _read_by_extern(node: fx.Node) -> bool:
     return bool(extern_readers(node, copy_into_input_is_extern=True))
 
 
-_RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"})
-"""Views Inductor computes as a new loop over the result's expression when an extern kernel needs them stored."""
+_RESHAPES = frozenset({"aten.view.default", "aten.reshape.default"})
 
 
-def _read_by_extern_directly(node: fx.Node) -> bool:
-    return any(u.op == "call_function" and not _is_view(u) and not _computes_in_loops(u.target) for u in node.users)
-
-
-def inlined_past_views(graph: fx.Graph) -> dict[str, frozenset[str]]:
-    """Pointwise results an extern kernel reads only through a view, each with the loop ops that compute it
-    again inline: Inductor stores the view the kernel reads (``buf0 = (2048, 128)`` for a matmul), not the result
-    itself, which stays unstored and is inlined into its other loop readers, so what it is computed from is read
-    there. A two-pass residual MLP's backward starts with the loss's gradient (``2 * x * g / n``): a matmul
-    reads its 2-D view, and the residual gradient's sum, a block later, computes it again from ``x``, which stays
-    allocated until then (1 MiB above every plan of that step, the step as written too). Readers of the viewed
-    buffer itself (a bias gradient's sum of the same 2-D view) read that buffer. Only results that Inductor
-    would inline were no extern kernel reading them (``inlined_ops``), and only through a reshape: a transpose
-    (a ReLU gradient a matmul reads as ``t``) stores the result itself, which its other readers then read.""" 
-    variant = inlined_ops(graph, extern_through_views=False)
-    found: dict[str, frozenset[str]] = {}
+def _after_tangents(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of a joint graph computed from its tangents: the backward's, as far as what it reads of the
+    forward goes (a forward value a backward node reads is saved, so stored, whatever the forward inlines)."""
+    found = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
     for node in graph.nodes:
-        if node.name not in variant or not _read_by_extern(node):
-            continue
-        stored_views = {u for u in node.users if _is_view(u) and extern_readers(u, copy_into_input_is_extern=True)}
-        if not all(str(u.target) in _RESHAPES for u in stored_views):
-            continue  # a transpose reinterprets the stored result itself (a ReLU gradient a matmul reads as ``t``)
-        readers: set[str] = set()
-        stack = [u for u in node.users if u not in stored_views]
-        seen: set[fx.Node] = set()
-        while stack:
-            user = stack.pop()
-            if user in seen or user.op != "call_function":
-                continue
-            seen.add(user)
-            if _is_view(user):
-                stack.extend(user.users)
-            elif _computes_in_loops(user.target):
-                readers.add(user.name)
-        if readers:
-            found[node.name] = frozenset(readers)
+        if node.op == "call_function" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
     return found
+
+
+def _is_extern(node: fx.Node) -> bool:
+    return node.op == "call_function" and not _is_view(node) and not _computes_in_loops(node.target)
+
+
+def _stores_only_the_view(view: fx.Node) -> bool:
+    """A reshape that an extern kernel reads directly, with other readers besides: lowering hints Inductor to
+    store a node with several readers one of which is an extern kernel (``realize_hint``), and for a reshape of
+    an unstored result that stores the reshaped copy alone, unless the result reads more than one buffer at a
+    varying index (then the result itself is stored). A reshape that only the extern kernel reads gets no hint,
+    and the kernel's input is then the result itself, stored."""
+    return str(view.target) in _RESHAPES and len(set(view.users)) > 1 and any(_is_extern(u) for u in view.users)
+
+
+def _read_by_extern_unless_through_views(node: fx.Node) -> bool:
+    """Whether an extern kernel reads ``node`` other than through a view that Inductor stores by itself."""
+    for user in node.users:
+        if _is_view(user):
+            if extern_readers(user, copy_into_input_is_extern=True) and not _stores_only_the_view(user):
+                return True
+        elif _is_extern(user):
+            return True
+    return False
+
+
+def _varying_reads(reads: frozenset[fx.Node]) -> int:
+    """How many of ``reads`` a loop reads at an index that varies (not one element, read at a constant index)."""
+    def numel(n: fx.Node) -> int:
+        val = n.meta.get("val")
+        return val.numel() if isinstance(val, torch.Tensor) else 1
+    return sum(1 for n in reads if numel(n) != 1)
+
+
+def inlined_past_views(graph: fx.Graph) -> dict[str, dict[str, bool]]:
+    """Pointwise results that an extern kernel reads only through a reshape Inductor stores by itself
+    (``_stores_only_the_view``), each with the loop ops that compute it again inline, and for each whether it
+    also reads the stored reshape. Inductor then stores the reshape (``buf0 = (2048, 128)`` for a matmul), not the
+    result, which stays unstored and is inlined into its other loop readers, so what it is computed from is read
+    there. A two-pass residual MLP's backward starts with the loss's gradient (``2 * x * g / n``, one read at a
+    varying index, ``g`` a scalar): a matmul and a bias gradient's sum read its 2-D view, and the residual
+    gradient's sum, a block later, computes it again from ``x``, which stays allocated until then (1 MiB above
+    every plan of that step, the step as written too). Only results Inductor would inline were no extern kernel
+    reading them (``inlined_ops``) and that read at most one buffer at a varying index; with two (``x * g``, ``g``
+    of the same shape or broadcast), a transpose read (a ReLU gradient a matmul reads as ``t``) or a reshape only
+    the matmul reads, Inductor stores the result itself and its readers read that."""
+    inlined, reads = _inlining(graph, views_stored_alone=True)
+    found: dict[str, dict[str, bool]] = {}
+    for node in graph.nodes:
+        if node not in inlined or not _read_by_extern(node) or _varying_reads(reads[node]) > 1:
+            continue
+        stored = {u for u in node.users if _is_view(u) and extern_readers(u, copy_into_input_is_extern=True)}
+        through = _loop_readers(stored)
+        again = _loop_readers(u for u in node.users if u not in stored)
+        if again:
+            found[node.name] = {name: name in through for name in again}
+    return found
+
+
+def _loop_readers(starts: Iterable[fx.Node]) -> set[str]:
+    """The loop ops among ``starts`` and what reads them through views."""
+    readers: set[str] = set()
+    stack, seen = list(starts), set()
+    while stack:
+        user = stack.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        if _is_view(user):
+            stack.extend(user.users)
+        elif _computes_in_loops(user.target):
+            readers.add(user.name)
+    return readers
 
 
 STITCHED_FROM = "karma_stitched_from"

@@ -781,7 +781,7 @@ def test_the_local_searchs_plan_stands_where_the_time_runs_out_after_it(name, mo
     """The exact pass may never start (a small graph's default limit, 4 s, often ends before it): the local
     search's plan is then the solver's answer where the simulator confirms it fits and beats every heuristic
     (it was thrown away, and an 8k-vocabulary GPT ran karma's heuristic at 1.092x its unlimited step where the
-    search had found 1.052x)."""
+    search had found 1.05x)."""
     from karma_fx import progress
     from karma_fx.strategies.base import figures_of
     import karma_fx.strategies.cpsat.planner as planner
@@ -806,5 +806,5 @@ def test_the_local_searchs_plan_stands_where_the_time_runs_out_after_it(name, mo
     assert len(searched) == 1 and searched[0].peak_bytes <= budget
     assert searched[0].makespan_us < best_heuristic  # else this graph could not tell the two apart
     tl = figures_of(p, costs, plan.decisions)
-    assert plan.status == "FEASIBLE" and "solver, local search" in " ".join(plan.notes)
+    assert plan.status in ("FEASIBLE", "OPTIMAL") and "solver, local search" in " ".join(plan.notes)
     assert tl.peak_bytes <= budget and tl.makespan_us == pytest.approx(searched[0].makespan_us)
