@@ -9,26 +9,26 @@ equal allocator-measured peak, on medium CPU models whose ops take a millisecond
     python bench/versus_torch.py --karma-compilers inductor --backends inductor   # both sides under Inductor
 
 Default (``--mode points``), the bar a user checks first: ``torch.compile(model)`` (Inductor) with
-``torch._functorch.config.activation_memory_budget`` at each of ``--ratios``. Per ratio, in one process with a
-reset Dynamo: PyTorch's step is compiled under that ratio and its steady-state peak measured
-(``AllocatorPeak``); karma (``compiler="inductor"``, measured costs) is compiled with that peak as its budget
-in bytes and trained ``--settle`` steps with the copies it is timed with (``--copies``: the plan prices each
-copy) (it measures its step and plans again where the step broke the budget: ``karma_fx.margin``); karma's
-steady peak is measured (copies synchronous: the same plan, freed where it frees); then the two are timed interleaved, one step of each in
-turn for ``--rounds`` rounds, and the ratio of the medians printed (absolute times drift by several percent over
-minutes on a shared machine; their ratio within one process does not). One more row sets karma at
-``budget=1.0`` against plain ``torch.compile``. The floors: PyTorch's lowest measured peak over the ratios, and
-karma's (a budget of 1 KiB is refused naming the smallest total; karma is trained and measured at it).
+``torch._functorch.config.activation_memory_budget`` at each of ``--ratios``. Per ratio, in one process with a reset
+Dynamo: PyTorch's step is compiled under that ratio and its steady-state peak measured (``AllocatorPeak``); karma
+(``compiler="inductor"``, measured costs) is compiled with that peak as its budget in bytes and trained ``--settle``
+steps with the copies it is timed with (``--copies``: the plan prices each copy) (it measures its step and plans
+again where the step broke the budget: ``karma_fx.margin``); karma's steady peak is measured (copies synchronous:
+the same plan, freed where it frees); then the two are timed interleaved, one step of each in turn for ``--rounds``
+rounds, and the ratio of the medians printed (absolute times drift by several percent over minutes on a shared
+machine; their ratio within one process does not). One more row sets karma at ``budget=1.0`` against plain
+``torch.compile``. The floors: PyTorch's lowest measured peak over the ratios, and karma's (a budget of 1 KiB is
+refused naming the smallest total; karma is trained and measured at it).
 
 Models: a 4-layer d=512 GPT at sequence 512 (batch 2, vocab 2048), a 4-layer d=256 GPT with a vocabulary of 8192
-(its loss head dominates: the logits alone are 32 MiB), a ResNet-18 (basic blocks [2, 2, 2, 2],
-width 64) on 64x64 images, batch 32, and a probe, a two-pass residual MLP (d=128, batch 8x256). Every configuration gets a fresh model and a reset Dynamo, is run twice
-(compile, then a steady-state step that fills any host-buffer pool), timed over ``--steps`` steps (median;
-the fastest is shown too, a hint of how much other work on the machine disturbed them), then run once more
-under ``AllocatorPeak`` (torch.profiler's allocator events; weights, buffers and inputs added as what existed
-before the step; gradients are dropped before each step, so they count). Where copies run on a worker thread,
-one more step with synchronous copies gives the peak where the plan frees (the two agree: compute waits for each
-swap-out where the plan has it landed, so a copy that lags behind costs a stall, not memory).
+(its loss head dominates: the logits alone are 32 MiB), a ResNet-18 (basic blocks [2, 2, 2, 2], width 64) on 64x64
+images, batch 32, and a probe, a two-pass residual MLP (d=128, batch 8x256). Every configuration gets a fresh model
+and a reset Dynamo, is run twice (compile, then a steady-state step that fills any host-buffer pool), timed over
+``--steps`` steps (median; the fastest is shown too, a hint of how much other work on the machine disturbed them),
+then run once more under ``AllocatorPeak`` (torch.profiler's allocator events; weights, buffers and inputs added as
+what existed before the step; gradients are dropped before each step, so they count). Where copies run on a worker
+thread, one more step with synchronous copies gives the peak where the plan frees (the two agree: compute waits for
+each swap-out where the plan has it landed, so a copy that lags behind costs a stall, not memory).
 
 Configurations of ``--mode sweep``:
 

@@ -1226,14 +1226,14 @@ def test_batchnorm_statistics_count_one_batch_a_step(budget):
 
 @pytest.mark.parametrize("budget", [1.0, 0.7])
 def test_a_result_a_matmul_reads_through_a_view_is_computed_again_where_loops_read_it(budget):
-    """Inductor stores the 2-D view a matmul reads of a pointwise result, not the result, and computes the result
-    again in each loop that reads it (the two-pass MLP's backward starts with ``2 * x * g / n``, which a matmul
-    reads as a 2-D view and a residual gradient a block later as it is), so what it is computed from stays
-    allocated until then (``passes.fusible.inlined_past_views``): the two-pass MLP's steps, as written and
-    planned, peak at their prediction (without that rule 2.2% and 3.4% above it; at d=128, 1 MiB: the last residual sum held a block
-    longer). Each weight is used twice, so its two gradients are summed, and only the second product runs in the
-    sum (``fusion.delayed_matmuls``; with both delayed the step as written was predicted 0.5% under its measured
-    peak, and a plan at d=128 72% above its own)."""
+    """Inductor stores the 2-D view a matmul reads of a pointwise result, not the result, and computes the result again
+    in each loop that reads it (the two-pass MLP's backward starts with ``2 * x * g / n``, which a matmul reads as a
+    2-D view and a residual gradient a block later as it is), so what it is computed from stays allocated until then
+    (``passes.fusible.inlined_past_views``): the two-pass MLP's steps, as written and planned, peak at their
+    prediction (without that rule 2.2% and 3.4% above it; at d=128, 1 MiB: the last residual sum held a block
+    longer). Each weight is used twice, so its two gradients are summed, and only the second product runs in the sum
+    (``fusion.delayed_matmuls``; with both delayed the step as written was predicted 0.5% under its measured peak,
+    and a plan at d=128 72% above its own)."""
     from helpers import load_bench
     from karma_fx.measure_run import measure_step_peak
 
