@@ -184,18 +184,22 @@ def extern_readers(node: fx.Node, *, copy_into_input_is_extern: bool = False) ->
     """The extern kernels (not Inductor's loops) that read ``node``, directly or through views. A ``copy_`` into
     a graph input (a BatchNorm's running statistics) is a loop of Inductor's writing into that input; the
     memory model counts it as an extern kernel (``copy_into_input_is_extern``), which it has matched so far."""
-    stack, seen, found = [node], set(), []
+    return [user for user in _read_through_views(node.users) if not _computes_in_loops(user.target)
+            and (copy_into_input_is_extern or user.target is not torch.ops.aten.copy_.default)]
+
+
+def _read_through_views(users: Iterable[fx.Node]) -> list[fx.Node]:
+    """The ops (not views) among ``users`` and what reads them through views, each once."""
+    stack, seen, found = list(users), set(), []
     while stack:
-        current = stack.pop()
-        for user in current.users:
-            if user in seen or user.op != "call_function":
-                continue
-            seen.add(user)
-            if _is_view(user):
-                stack.append(user)
-            elif not _computes_in_loops(user.target) and (copy_into_input_is_extern
-                                                          or user.target is not torch.ops.aten.copy_.default):
-                found.append(user)
+        user = stack.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        if _is_view(user):
+            stack.extend(user.users)
+        else:
+            found.append(user)
     return found
 
 
@@ -272,27 +276,12 @@ def inlined_past_views(graph: fx.Graph) -> dict[str, dict[str, bool]]:
         if node not in inlined or not _read_by_extern(node) or _varying_reads(reads[node]) > 1:
             continue
         stored = {u for u in node.users if _is_view(u) and extern_readers(u, copy_into_input_is_extern=True)}
-        through = _loop_readers(stored)
-        again = _loop_readers(u for u in node.users if u not in stored)
+        through = {u.name for u in _read_through_views(stored) if _computes_in_loops(u.target)}
+        again = {u.name for u in _read_through_views(u for u in node.users if u not in stored)
+                 if _computes_in_loops(u.target)}
         if again:
             found[node.name] = {name: name in through for name in again}
     return found
-
-
-def _loop_readers(starts: Iterable[fx.Node]) -> set[str]:
-    """The loop ops among ``starts`` and what reads them through views."""
-    readers: set[str] = set()
-    stack, seen = list(starts), set()
-    while stack:
-        user = stack.pop()
-        if user in seen or user.op != "call_function":
-            continue
-        seen.add(user)
-        if _is_view(user):
-            stack.extend(user.users)
-        elif _computes_in_loops(user.target):
-            readers.add(user.name)
-    return readers
 
 
 STITCHED_FROM = "karma_stitched_from"

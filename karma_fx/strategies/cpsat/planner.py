@@ -318,10 +318,10 @@ class CpSat:
             # default limit (4 s) often ends in the exact pass, and the 8k-vocabulary GPT of
             # ``bench/versus_torch.py`` then ran karma's heuristic at 1.092x its unlimited step (simulated) where
             # the local search had found 1.05x
-            tl = figures_of(problem, costs, model.decisions(descended))
+            searched = model.decisions(descended)
+            tl = figures_of(problem, costs, searched)
             if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us < best[0]):
-                best = (tl.makespan_us, Plan(strategy=self.name, budget_bytes=budget_bytes,
-                                             decisions=model.decisions(descended),
+                best = (tl.makespan_us, Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=searched,
                                              status="OPTIMAL" if _at_bound(tl.makespan_us, proven) else "FEASIBLE",
                                              lower_bound_us=proven, predicted_step_time_us=round(descended_us, 3),
                                              notes=tuple(notes)), tl.peak_bytes)
