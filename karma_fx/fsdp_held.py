@@ -9,9 +9,9 @@ own unit-sized copies, is decided by the collectives, not by the program. On thi
 134,920 B above its plan in six runs of ten and 203,656 B to 336,008 B in the others; on a CI machine the same
 step peaked 468,360 B above it (three and a half units) and broke the budget by 1%. The session measures steps
 to learn what its model misses (``karma_fx.margin``), but it learns from the lower of two readings, and a
-buffer late now and then is not learnt. So every plan counts, of the largest unit, held all step: the
-reduce-scatter inputs FSDP2 keeps, one full copy per collective worker thread, and one shard for an
-all-gather's copy-in.
+buffer late now and then is not learnt. So every plan counts them held all step: the full gradients of as
+many of the largest units as reduce-scatter inputs are kept in flight, the largest unit once more per collective
+worker thread, and its shard for an all-gather's copy-in.
 
 Units are the modules ``fully_shard`` was applied to, each with the parameters under it that no inner unit
 owns; a distributed tensor's ``numel`` is its full size. The modules are found through the registry FSDP2 (like
@@ -59,25 +59,32 @@ def _own_parameters(unit: nn.Module, units: set[int]) -> Iterator[nn.Parameter]:
             yield from _own_parameters(child, units)
 
 
-def _buffers_in_flight(unit: Any) -> int:
-    """How many of a unit's reduce-scatter input buffers FSDP2 keeps in flight (its default: one)."""
-    state = getattr(unit, "_get_fsdp_state", None)
-    group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
-    return max(1, int(getattr(group, "reduce_scatter_max_input_buffers", 1) or 1))
+def _buffers_in_flight(units: list[nn.Module]) -> int:
+    """How many reduce-scatter input buffers FSDP2 keeps in flight: one by default; the highest any unit asks
+    for (torch 2.13 keeps one list of them for every unit, as many as the highest cap)."""
+    cap = 1
+    for unit in units:
+        try:
+            groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator, attr-defined]
+        except Exception:  # another torch's private layout: FSDP2's default
+            continue
+        for group in groups:
+            cap = max(cap, int(getattr(group, "reduce_scatter_max_input_buffers", 1) or 1))
+    return cap
 
 
 def in_flight_bytes(units: list[nn.Module] | None = None) -> int:
-    """The bytes of collective buffers FSDP2 may hold beyond what the step's trace shows, of the largest unit: its
-    full gradients for each reduce-scatter input kept in flight and once more per thread that runs collectives,
-    and its shard for an all-gather's copy-in; 0 where nothing is sharded."""
+    """The bytes of collective buffers FSDP2 may hold beyond what the step's trace shows: the full gradients of
+    as many of the largest units as reduce-scatter inputs are kept in flight, the largest unit once more per
+    thread that runs collectives, and its shard for an all-gather's copy-in; 0 where nothing is sharded."""
     units = fsdp_units() if units is None else units
+    if not units:
+        return 0
     ids = {id(u) for u in units}
     world, workers = _collectives()
-    held = 0
-    for unit in units:
-        full = sum(p.numel() * p.element_size() for p in _own_parameters(unit, ids) if p.requires_grad)
-        held = max(held, full * (_buffers_in_flight(unit) + workers) + full // world)
-    return held
+    full = sorted((sum(p.numel() * p.element_size() for p in _own_parameters(u, ids) if p.requires_grad)
+                   for u in units), reverse=True)
+    return sum(full[:_buffers_in_flight(units)]) + full[0] * workers + full[0] // world
 
 
 def _collectives() -> tuple[int, int]:
@@ -87,7 +94,7 @@ def _collectives() -> tuple[int, int]:
 
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 1
-    if dist.get_backend() != "gloo":
+    if "gloo" not in str(dist.get_backend()):  # ("cpu:gloo,cuda:nccl": gloo's threads on a CPU)
         return dist.get_world_size(), 1
     options = getattr(dist.ProcessGroupGloo, "_Options", None)
     return dist.get_world_size(), max(1, int(getattr(options(), "_threads", 2))) if options else 2

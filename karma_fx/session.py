@@ -110,16 +110,15 @@ class Session:
         self._params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._batch: dict[int, int] = {}
         self._previous_batch = 0
-        self._run_weights: dict[int, int] = {}
-        """Weights this step's runs read that were not among those it held when it began (FSDP2's unsharded
-        parameters, gathered for each unit's run): id -> bytes; ``_run_weight_bytes`` their sum. By the tensor,
-        not its storage: FSDP2 gathers a unit into a new storage, at another address, from step to step."""
-        self._run_weight_bytes = 0
-        self._expected_run_bytes = 0
-        """The bytes of those the last step's runs read, counted from the step's first run on, less what this
-        step's runs read so far."""
-        self._weight_ids: frozenset[int] = frozenset()
-        """ids of the weights the step held when it began (``_weights_of``)."""
+        self._begin_weight_bytes = 0
+        self._begin_weight_count = 0
+        """The bytes and number of the weight storages the step held when it began; storages its runs read
+        besides are added after them (FSDP2's unsharded parameters, gathered for each unit's run)."""
+        self._expected_growth = 0
+        """The bytes of those the last step that chose its plans read besides (not held at this step's start):
+        counted from the step's first run on (``_persistent_bytes``)."""
+        self._viewed = False
+        """Whether a run of this step chose its plan (a replayed step reads no weights)."""
         self._grads_counted: set[int] = set()
         self._held_grads: set[int] = set()
         """ids of the parameters that held a gradient when the step began (read once a step, in ``begin_step``)."""
@@ -156,8 +155,8 @@ class Session:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
                 self._previous_batch = sum(self._batch.values())
-        last_run = self._run_weights if self._calls and (self._run_weights or self._batch) else None
-        self._run_weights, self._run_weight_bytes = {}, 0  # (a replayed step reads no weights, nor a batch)
+        grown = list(self._weights.items())[self._begin_weight_count:] if self._viewed else None
+        self._viewed = False
         self._calls, self._made, self._batch = [], {}, {}
         self._grads_counted = set()
         self._saw_backward = False
@@ -181,8 +180,9 @@ class Session:
                 if known is None or known[0]() is not grad or known[3] != grad.data_ptr():
                     known = grad_storage[id(grad)] = (weakref.ref(grad), *storage_of(grad), grad.data_ptr())
                 weights[known[1]] = known[2]
-        if last_run is not None:  # (those the step holds from its start need no counting ahead)
-            self._expected_run_bytes = sum(b for i, b in last_run.items() if i not in self._weight_ids)
+        if grown is not None:  # (those this step holds from its start need no counting ahead)
+            self._expected_growth = sum(b for p, b in grown if p not in weights)
+        self._begin_weight_bytes, self._begin_weight_count = sum(weights.values()), len(weights)
         if len(grad_storage) > 2 * len(held) + 64:  # forget gradients gone (set to None, replaced)
             self._grad_storage = {k: v for k, v in grad_storage.items() if v[0]() is not None}
         self._device_baseline = _allocated_on(tensors[0])
@@ -220,7 +220,7 @@ class Session:
             # steady step; measure a later one (``Margins.wanted``, ``Margins.unsteady``)
             self._margins.unsteady(signature)
             return
-        base = self._persistent_bytes()
+        base = self._held_at_start()
         measured = base + climb
         reading = (signature, tuple(id(c.variant) for c in calls), base)
         last, self._last_reading = self._last_reading, (reading, measured)
@@ -265,7 +265,6 @@ class Session:
                 for t in group:
                     self._add_weight(t, grads=False)
             self._weights_key, self._weights_base = key, dict(self._weights)
-            self._weight_ids = frozenset(id(t) for group in tensors for t in group)
         return self._weights_base
 
     def _add_weight(self, t: torch.Tensor, grads: bool = True) -> None:
@@ -307,13 +306,22 @@ class Session:
 
     def _persistent_bytes(self) -> int:
         """Weights, buffers, gradients held and the batch (at least the previous step's: later runs may read
-        more of it, and a replayed step does not count it again); the weights the last step's runs read that the
-        step did not hold when it began, from its first run on (FSDP2 gathers each unit's parameters for its run:
-        counted only as each run read them, the step held more at its last run than its first runs' plans had
-        left room for, and a budget its leanest plans fit was refused); on a GPU at least what its allocator held
-        when the step began (what the caller holds besides: labels, optimizer state, other models)."""
-        seen = sum(self._weights.values()) + max(sum(self._batch.values()), self._previous_batch)
-        seen += max(0, self._expected_run_bytes - self._run_weight_bytes)
+        more of it, and a replayed step does not count it again); the weight storages the last step's runs read
+        besides what it held when it began, from this step's first run on (FSDP2 gathers each unit's parameters
+        for its run: counted only as each run read them, the step held more at its last run than its first runs'
+        plans had left room for, and a budget its leanest plans fit was refused; by bytes, as the storages'
+        addresses come and go); FSDP2's collective buffers whose release its collectives decide
+        (``karma_fx.fsdp_held``); on a GPU at least what its allocator held when the step began (what the caller
+        holds besides: labels, optimizer state, other models)."""
+        held = sum(self._weights.values())
+        seen = self._begin_weight_bytes + max(held - self._begin_weight_bytes, self._expected_growth)
+        seen += max(sum(self._batch.values()), self._previous_batch) + self._fsdp_in_flight()
+        return max(seen, self._device_baseline)
+
+    def _held_at_start(self) -> int:
+        """What the step held when it began (weights, gradients held, the batch): what a measured climb is
+        above."""
+        seen = self._begin_weight_bytes + max(sum(self._batch.values()), self._previous_batch)
         return max(seen, self._device_baseline)
 
     # ---- runs -------------------------------------------------------------------------------------------
@@ -416,10 +424,7 @@ class Session:
         """How the step sees this run of ``region`` with a plan of footprint ``fp`` (its inputs from ``args``)."""
         k = len(self._calls)
         weights, first = self._region_weights(region, args)  # ``first``: its trainable parameters, if read now
-        for i, nbytes in weights.bytes_of_all.items():
-            if i not in self._weight_ids and i not in self._run_weights:
-                self._run_weights[i] = nbytes
-                self._run_weight_bytes += nbytes
+        self._viewed = True
         self._weights.update(weights.own)
         own = dict(weights.own)
         new_grads = 0
@@ -464,7 +469,6 @@ class Session:
         if len(self._region_weights_cache) > 4 * len(self.regions) + 64:
             self._region_weights_cache.clear()  # stale compiles' entries
         own: dict[int, int] = {}
-        every: dict[int, int] = {}
         trainable, others = [], []
         for i, (t, kind) in enumerate(zip(args, region.kinds)):
             if not isinstance(t, torch.Tensor):
@@ -477,13 +481,11 @@ class Session:
             self._add_weight(t)  # and a gradient it holds now (on later runs, ``begin_step`` counts those)
             pointer, nbytes = storage_of(t)
             own[pointer] = nbytes
-            every[id(t)] = t.numel() * t.element_size()
             if kind == "param" and t.requires_grad:
                 trainable.append(t)
         bytes_of = {id(p): p.numel() * p.element_size() for p in trainable}
         weights = _RegionWeights(own=own, trainable_ids=frozenset(bytes_of),
-                                 trainable_bytes=sum(bytes_of.values()), bytes_of=bytes_of, others=tuple(others),
-                                 bytes_of_all=every)
+                                 trainable_bytes=sum(bytes_of.values()), bytes_of=bytes_of, others=tuple(others))
         self._region_weights_cache[key] = weights
         return weights, trainable
 
@@ -504,12 +506,8 @@ class Session:
                     tuple(self._gap_list(views, signature))).peak_bytes
 
     def _base_bytes(self, signature: tuple[int, ...], margin: bool = True) -> int:
-        """What the step holds all through: the persistent bytes, and the margin of ``signature`` or FSDP2's
-        collective buffers whose release the collectives decide (``karma_fx.fsdp_held``), whichever is more (a
-        margin learnt from a measured step already holds what those buffers held in it)."""
-        if not margin:
-            return self._persistent_bytes()
-        return self._persistent_bytes() + max(self._margins.of(signature), self._fsdp_in_flight())
+        """What the step holds all through: the persistent bytes, and the margin of ``signature``."""
+        return self._persistent_bytes() + (self._margins.of(signature) if margin else 0)
 
     def _fsdp_in_flight(self) -> int:
         """``fsdp_held.in_flight_bytes``, read again only when the modules composable APIs registered change."""
@@ -714,8 +712,6 @@ class _RegionWeights:
     """id of a trainable parameter -> its bytes (those of the gradient it gets)."""
     others: tuple[int, ...]
     """The positions of its other tensor inputs (the batch, activations from earlier runs)."""
-    bytes_of_all: dict[int, int]
-    """id of each of its parameters and buffers -> its elements' bytes."""
 
 
 def storage_of(t: torch.Tensor) -> tuple[int, int]:

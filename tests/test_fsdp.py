@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent('''
     model = sharded()
     # each rank counts, besides the step's trace, FSDP2's collective buffers that gloo's worker threads free when
     # they let go (``karma_fx.fsdp_held``: here 3.5 blocks' weights, 0.46 MB), and every block's gathered weights
-    # from the step's first run on: the leanest plans' step is about 0.73 of the step as written under eager
+    # from the step's first run on: the leanest plans' step is about 0.66 of the step as written under eager
     budget = 0.74 if wrap == "fsdp" else 0.6
     if door == "compile":
         step = karma_fx.compile(model, budget=budget)
@@ -170,13 +170,14 @@ def test_plans_count_the_collective_buffers_fsdp2_frees_when_its_collectives_dec
             fully_shard(layer)
         fully_shard(model)  # the root owns the embedding only: 25,600 B, smaller than a block's 132,352 B
         assert in_flight_bytes() == 2 * block + block // 2
-        model[1].set_reduce_scatter_max_input_buffers(3)  # a user trading memory for overlap: more held
-        assert in_flight_bytes() == 4 * block + block // 2
+        if hasattr(model[1], "set_reduce_scatter_max_input_buffers"):  # (torch 2.13): more held for more overlap
+            model[1].set_reduce_scatter_max_input_buffers(3)  # the three largest units' inputs: the root's too
+            assert in_flight_bytes() == (2 * block + 100 * 64 * 4) + block + block // 2
+            model[1].set_reduce_scatter_max_input_buffers(1)
     finally:
         dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        model[1].set_reduce_scatter_max_input_buffers(1)
         assert in_flight_bytes() == (1 + 2) * block + block  # gloo's two worker threads; one rank: the whole unit
     finally:
         dist.destroy_process_group()
@@ -189,8 +190,9 @@ def test_a_step_counts_the_weights_fsdp2_gathers_for_its_runs_from_its_first_run
     """FSDP2 hands each unit's run its gathered (unsharded) weights, which the step did not hold when it began.
     Counted only as each run read them, what the step held grew run by run (0.79 to 1.19 MB here), so its first
     runs chose plans that left its last run too little room: a budget its leanest plans fit was refused on two
-    ranks (5.96 MiB refused, 5.33 MiB named as known to work). Counted from the first run on, by the tensor (FSDP2
-    gathers into a new storage from step to step), what a steady step holds never grows within it. One rank."""
+    ranks (5.96 MiB refused, 5.33 MiB named as known to work). Counted from the first run on (the bytes the last
+    step's runs read besides, as FSDP2's storages come and go), what a step holds is the same at every run of it,
+    in steps that choose their plans again too. One rank."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -202,6 +204,7 @@ def test_a_step_counts_the_weights_fsdp2_gathers_for_its_runs_from_its_first_run
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
+
         class Block(nn.Module):  # (a block of its own code: Dynamo compiles its frames between FSDP2's hooks)
             def __init__(self) -> None:
                 super().__init__()
@@ -215,22 +218,29 @@ def test_a_step_counts_the_weights_fsdp2_gathers_for_its_runs_from_its_first_run
             fully_shard(block)
         fully_shard(model)
         held: list[int] = []
+        chose: list[bool] = []
         run = session_module.Session.run
 
         def spy(self, region, args, compile_variant):
             held.append(self._persistent_bytes())
-            return run(self, region, args, compile_variant)
+            out = run(self, region, args, compile_variant)
+            chose.append(self._viewed)  # a run of this step chose its plan (not a replay of the last step's)
+            return out
 
         monkeypatch.setattr(session_module.Session, "run", spy)
         step = karma_fx.compile(model, budget=0.8)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        for i in range(4):
+        chosen_later = 0
+        for i in range(5):
             held.clear()
+            chose.clear()
             step(torch.randn(1024, 64)).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             assert len(held) > 1, "FSDP2's hooks should split the step into several runs"
             if i >= 1:  # the first step reads them for the first time
-                assert all(a >= b for a, b in zip(held, held[1:])), (i, held)
+                assert len(set(held)) == 1, (i, held)
+                chosen_later += any(chose)
+        assert chosen_later, "a later step should choose its plans again (the budget of a step now measured)"
     finally:
         dist.destroy_process_group()
