@@ -1,6 +1,6 @@
 """A GPT sharded with FSDP2 and trained out of core with karma_fx, launched by torchrun.
 
-    torchrun --nproc-per-node 2 examples/train_fsdp.py [--steps 3] [--budget 0.6] [--door backend] [--check]
+    torchrun --nproc-per-node 2 examples/train_fsdp.py [--steps 3] [--budget 0.75] [--door backend] [--check]
 
 Each transformer block and the root are sharded with ``torch.distributed.fsdp.fully_shard``; FSDP2 gathers each
 block's weights for its forward and backward and reduce-scatters its gradients, as it does without karma (its
@@ -36,7 +36,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--budget", default="0.6", help="per-rank device budget: a fraction of the step, or bytes")
+    p.add_argument("--budget", default="0.75", help="per-rank device budget: a fraction of the step, or bytes")
     p.add_argument("--door", choices=("compile", "backend"), default="backend")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check", action="store_true", help="also train without karma and compare the parameters")

@@ -126,13 +126,13 @@ def test_fsdp2_and_ddp_train_through_karma_as_without_it_within_the_budget(tmp_p
 @pytest.mark.slow
 def test_the_fsdp_example_trains_as_fsdp2_alone_in_less_memory():
     """``examples/train_fsdp.py --check``: a tiny GPT-2 sharded per block and the root, three AdamW steps through
-    the backend door at 0.6 of the step, against the same FSDP2 model without karma."""
+    the backend door at 0.75 of the step, against the same FSDP2 model without karma."""
     from pathlib import Path
 
     example = Path(__file__).resolve().parents[1] / "examples" / "train_fsdp.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", KARMA_PROGRESS="0")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(example), "--budget", "0.6", "--check"], capture_output=True, text=True, timeout=300,
+                          str(example), "--budget", "0.75", "--check"], capture_output=True, text=True, timeout=300,
                          env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     assert len(re.findall(r"^step \d: loss [\d.]+$", run.stdout, re.MULTILINE)) == 3, run.stdout
