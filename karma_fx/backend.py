@@ -149,7 +149,11 @@ class KarmaBackend:
         session.regions.append(region)
 
         def run(*args: Any) -> Any:
-            return session.run(region, list(args), self._compile)
+            try:
+                return session.run(region, list(args), self._compile)
+            except BaseException:  # a budget refused: stop measuring the step (as the front door does)
+                session.step_failed()
+                raise
 
         return run
 

@@ -190,3 +190,27 @@ def test_an_inference_region_compiles_once():
     session = _sessions[id(options)]
     assert session.compiles == 1 and len(session.regions) == 1
     assert all(torch.allclose(o, want, atol=1e-6) for o in outs)
+
+
+def test_a_budget_refused_through_the_backend_leaves_a_process_that_exits_cleanly(tmp_path):
+    """A user who catches the refusal and goes on: the backend door left the step's profiler session (it measures
+    what the step climbs) open, and the process died of a segmentation fault at exit (exit code 139, also on
+    each rank of ``examples/train_fsdp.py`` refused under torchrun). The front door already closed it."""
+    script = tmp_path / "refused.py"
+    script.write_text(textwrap.dedent('''
+        import torch, torch.nn as nn, karma_fx
+        from karma_fx.errors import InfeasibleBudgetError
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+        step = torch.compile(model, backend="karma", options={"budget": 0.3}, dynamic=False)
+        try:
+            for _ in range(3):
+                step(torch.randn(512, 64)).square().mean().backward()
+            print("trained")
+        except InfeasibleBudgetError:
+            print("refused")
+    '''))
+    env = dict(os.environ, OMP_NUM_THREADS="1", KARMA_PROGRESS="0")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.stdout.strip() == "refused", run.stdout + run.stderr[-2000:]
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
