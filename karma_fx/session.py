@@ -97,23 +97,23 @@ class Session:
         self._previous: list[_Call] | None = None
         self._previous_fit = False
         self._made: dict[int, tuple[Any, int]] = {}
-        """Storage pointer -> (identity, bytes) of what this step's runs returned."""
+        """Storage (``storage_of``) -> (identity, bytes) of what this step's runs returned."""
         self._weights: dict[int, int] = {}
-        """Storage pointer -> bytes of the weights, buffers and gradients held, this step and before."""
+        """Storage (``storage_of``) -> bytes of the weights, buffers and gradients held, this step and before."""
         self._storage_of: dict[int, tuple[Any, int, int]] = {}
-        """id of a weight -> (a weak reference to it, its storage pointer, bytes)."""
+        """id of a weight -> (a weak reference to it, its storage, bytes)."""
         self._grad_storage: dict[int, tuple[Any, int, int, int]] = {}
-        """id of a held gradient -> (a weak reference to it, its storage pointer, bytes, its data pointer)."""
+        """id of a held gradient -> (a weak reference to it, its storage, bytes, its data pointer)."""
         self._region_weights_cache: dict[tuple, _RegionWeights] = {}
         self._params_added = 0
         self._seen_weights_cache: tuple[tuple[int, int], tuple[list[Any], list[Any]]] | None = None
         self._params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._batch: dict[int, int] = {}
         self._previous_batch = 0
+        self._begin_weights: dict[int, int] = {}
         self._begin_weight_bytes = 0
-        self._begin_weight_count = 0
-        """The bytes and number of the weight storages the step held when it began; storages its runs read
-        besides are added after them (FSDP2's unsharded parameters, gathered for each unit's run)."""
+        """The weight storages (and their bytes) the step held when it began; its runs may read others (FSDP2's
+        unsharded parameters, gathered for each unit's run into the same storages step after step)."""
         self._expected_growth = 0
         """The bytes of those the last step that chose its plans read besides (not held at this step's start):
         counted from the step's first run on (``_persistent_bytes``)."""
@@ -155,7 +155,8 @@ class Session:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
                 self._previous_batch = sum(self._batch.values())
-        grown = list(self._weights.items())[self._begin_weight_count:] if self._viewed else None
+        begun = self._begin_weights  # what the step held when it began, and what its runs read besides:
+        grown = {p: b for p, b in self._weights.items() if b > begun.get(p, 0)} if self._viewed else None
         self._viewed = False
         self._calls, self._made, self._batch = [], {}, {}
         self._grads_counted = set()
@@ -180,9 +181,9 @@ class Session:
                 if known is None or known[0]() is not grad or known[3] != grad.data_ptr():
                     known = grad_storage[id(grad)] = (weakref.ref(grad), *storage_of(grad), grad.data_ptr())
                 weights[known[1]] = known[2]
-        if grown is not None:  # (those this step holds from its start need no counting ahead)
-            self._expected_growth = sum(b for p, b in grown if p not in weights)
-        self._begin_weight_bytes, self._begin_weight_count = sum(weights.values()), len(weights)
+        if grown is not None:  # (what this step holds from its start needs no counting ahead)
+            self._expected_growth = sum(max(0, b - weights.get(p, 0)) for p, b in grown.items())
+        self._begin_weights, self._begin_weight_bytes = dict(weights), sum(weights.values())
         if len(grad_storage) > 2 * len(held) + 64:  # forget gradients gone (set to None, replaced)
             self._grad_storage = {k: v for k, v in grad_storage.items() if v[0]() is not None}
         self._device_baseline = _allocated_on(tensors[0])
@@ -309,9 +310,8 @@ class Session:
         more of it, and a replayed step does not count it again); the weight storages the last step's runs read
         besides what it held when it began, from this step's first run on (FSDP2 gathers each unit's parameters
         for its run: counted only as each run read them, the step held more at its last run than its first runs'
-        plans had left room for, and a budget its leanest plans fit was refused; by bytes, as the storages'
-        addresses come and go); FSDP2's collective buffers whose release its collectives decide
-        (``karma_fx.fsdp_held``); on a GPU at least what its allocator held when the step began (what the caller
+        plans had left room for, and a budget its leanest plans fit was refused); FSDP2's collective buffers
+        whose release its collectives decide (``karma_fx.fsdp_held``); on a GPU at least what its allocator held when the step began (what the caller
         holds besides: labels, optimizer state, other models)."""
         held = sum(self._weights.values())
         seen = self._begin_weight_bytes + max(held - self._begin_weight_bytes, self._expected_growth)
@@ -715,7 +715,10 @@ class _RegionWeights:
 
 
 def storage_of(t: torch.Tensor) -> tuple[int, int]:
-    """(an identity, bytes) of the device memory ``t`` holds on this process: its storage's address and size; for
+    """(an identity, bytes) of the device memory ``t`` holds on this process: its storage's identity (the address
+    of the storage object, not of its memory: FSDP2 frees its gathered parameters' storages after each unit's
+    run and fills them again in place, at another address each time, where another unit's may have been a
+    moment before) and size; for
     a distributed tensor (FSDP2 shards parameters into ``DTensor``s) its local shard's, the rank's own; for a
     tensor subclass without storage of its own, its elements', keyed by the tensor object."""
     local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
@@ -723,7 +726,7 @@ def storage_of(t: torch.Tensor) -> tuple[int, int]:
         t = local
     try:
         s = t.untyped_storage()
-        return s.data_ptr(), s.nbytes()
+        return s._cdata, s.nbytes()
     except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage to read
         return id(t), t.numel() * t.element_size()
 
