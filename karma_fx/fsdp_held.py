@@ -13,12 +13,16 @@ buffer late now and then is not learnt. So every plan counts them held all step:
 many of the largest units as reduce-scatter inputs are kept in flight, the largest unit once more per collective
 worker thread, and its shard for an all-gather's copy-in.
 
+What it gathers is counted where it lives (``gathered``): a unit's unsharded parameters in the footprints of the
+runs that read them, one unit gathered ahead all step, and a unit's gradients as its shards.
+
 Units are the modules ``fully_shard`` was applied to, each with the parameters under it that no inner unit
 owns; a distributed tensor's ``numel`` is its full size. The modules are found through the registry FSDP2 (like
 every composable API) records them in, as the compile doors see graphs, not the model.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch.nn as nn
@@ -98,3 +102,54 @@ def _collectives() -> tuple[int, int]:
         return dist.get_world_size(), 1
     options = getattr(dist.ProcessGroupGloo, "_Options", None)
     return dist.get_world_size(), max(1, int(getattr(options(), "_threads", 2))) if options else 2
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """How FSDP2 holds its parameters around a step, by the ids of the unsharded parameters it hands the runs.
+
+    A unit that reshards after its forward (every unit but the root, by default) gathers its parameters for its
+    forward, frees them after it, and gathers them again for its backward, one unit ahead of the backward
+    (implicit prefetch). So the step does not hold them all through: a run holds its own unit's while it runs,
+    and one unit more may be gathered beside it. Counting every unit's as held all step counted the whole
+    unsharded model on each rank (the sharding undone, in the step's accounting). The gradients a unit's
+    backward leaves are its shards (the full ones are reduce-scattered and freed as the backward ends)."""
+
+    freed: frozenset[int] = frozenset()
+    """ids of the unsharded parameters of units that free them after their forward."""
+    shard_bytes: dict[int, int] = field(default_factory=dict)
+    """id of an unsharded parameter -> the bytes of its shard on this rank (what its gradient leaves)."""
+    ahead_bytes: int = 0
+    """The largest such unit's unsharded bytes: what may be gathered ahead of the run that reads it."""
+
+
+def gathered(units: list[nn.Module] | None = None) -> Gathered:
+    """What FSDP2's units gathered so far (a unit's unsharded parameters exist from its first all-gather on),
+    and the allowance for a unit gathered ahead; empty where nothing is sharded."""
+    units = fsdp_units() if units is None else units
+    freed: set[int] = set()
+    shard_bytes: dict[int, int] = {}
+    ahead = 0
+    for unit in units:
+        try:
+            groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator, attr-defined]
+        except Exception:  # another torch's private layout: nothing known, every gathered weight held all step
+            continue
+        for group in groups:
+            frees = getattr(group, "post_forward_mesh_info", None) is not None
+            full = 0
+            for param in getattr(group, "fsdp_params", ()):
+                sharded = getattr(param, "sharded_param", None)
+                if sharded is None:
+                    continue
+                full += sharded.numel() * sharded.element_size()  # a distributed tensor's numel: its full size
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is None:  # not gathered yet
+                    continue
+                local = getattr(sharded, "_local_tensor", sharded)
+                shard_bytes[id(unsharded)] = local.numel() * local.element_size()
+                if frees:
+                    freed.add(id(unsharded))
+            if frees:
+                ahead = max(ahead, full)
+    return Gathered(frozenset(freed), shard_bytes, ahead)

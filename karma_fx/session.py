@@ -142,6 +142,9 @@ class Session:
         self._weights_key: Any = None
         self._weights_base: dict[int, int] = {}
         self._fsdp_held: tuple[int, int] | None = None
+        self._gathered = fsdp_held.Gathered()
+        """FSDP2's unsharded parameters: those freed after their unit's forward are counted in the runs that
+        read them, not all step (``fsdp_held.Gathered``); read again as a region first reads its weights."""
 
     # ---- steps ------------------------------------------------------------------------------------------
     def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None,
@@ -273,10 +276,11 @@ class Session:
             return
         # A weight keeps its storage from step to step: read it once (every step walks every weight, and two
         # storage lookups a weight were a tenth of a millisecond a step on a 56-weight model).
-        known = self._storage_of.get(id(t))
-        if known is None or known[0]() is not t:
-            known = self._storage_of[id(t)] = (weakref.ref(t), *storage_of(t))
-        self._weights[known[1]] = known[2]
+        if id(t) not in self._gathered.freed:  # (those FSDP2 frees after its unit's forward: not held all step)
+            known = self._storage_of.get(id(t))
+            if known is None or known[0]() is not t:
+                known = self._storage_of[id(t)] = (weakref.ref(t), *storage_of(t))
+            self._weights[known[1]] = known[2]
         if isinstance(t, nn.Parameter):
             if self._params.get(id(t)) is not t:
                 self._params[id(t)] = t
@@ -308,15 +312,16 @@ class Session:
     def _persistent_bytes(self) -> int:
         """Weights, buffers, gradients held and the batch (at least the previous step's: later runs may read
         more of it, and a replayed step does not count it again); the weight storages the last step's runs read
-        besides what it held when it began, from this step's first run on (FSDP2 gathers each unit's parameters
-        for its run: counted only as each run read them, the step held more at its last run than its first runs'
-        plans had left room for, and a budget its leanest plans fit was refused); FSDP2's collective buffers
-        whose release its collectives decide (``karma_fx.fsdp_held``); on a GPU at least what its allocator held when the step began (what the caller
-        holds besides: labels, optimizer state, other models)."""
+        besides what it held when it began, from this step's first run on (counted only as each run read them,
+        a step held more at its last run than its first runs' plans had left room for: an FSDP2 root's
+        parameters, gathered at its first run and kept to its backward); for FSDP2, its collective buffers
+        whose release its collectives decide and one unit gathered ahead of its run (``karma_fx.fsdp_held``: a
+        unit's own gathered parameters are in the footprints of its runs); on a GPU at least what its allocator
+        held when the step began (what the caller holds besides: labels, optimizer state, other models)."""
         held = sum(self._weights.values())
         seen = self._begin_weight_bytes + max(held - self._begin_weight_bytes, self._expected_growth)
         seen += max(sum(self._batch.values()), self._previous_batch) + self._fsdp_in_flight()
-        return max(seen, self._device_baseline)
+        return max(seen + self._gathered.ahead_bytes, self._device_baseline)
 
     def _held_at_start(self) -> int:
         """What the step held when it began (weights, gradients held, the batch): what a measured climb is
@@ -468,6 +473,9 @@ class Session:
             return cached, None
         if len(self._region_weights_cache) > 4 * len(self.regions) + 64:
             self._region_weights_cache.clear()  # stale compiles' entries
+        if fsdp_held.registered():  # this unit's parameters are gathered now: which FSDP2 frees after its run
+            self._gathered = fsdp_held.gathered()
+        gathered = self._gathered
         own: dict[int, int] = {}
         trainable, others = [], []
         for i, (t, kind) in enumerate(zip(args, region.kinds)):
@@ -479,11 +487,13 @@ class Session:
             if kind == "param" and self.config.offload_weights:
                 continue
             self._add_weight(t)  # and a gradient it holds now (on later runs, ``begin_step`` counts those)
-            pointer, nbytes = storage_of(t)
-            own[pointer] = nbytes
+            if id(t) not in gathered.freed:  # (a weight FSDP2 gathers for this run only: in its footprint)
+                pointer, nbytes = storage_of(t)
+                own[pointer] = nbytes
             if kind == "param" and t.requires_grad:
                 trainable.append(t)
-        bytes_of = {id(p): p.numel() * p.element_size() for p in trainable}
+        # the gradients they leave: a sharded parameter's, its shard (FSDP2 reduce-scatters the full one)
+        bytes_of = {id(p): gathered.shard_bytes.get(id(p), p.numel() * p.element_size()) for p in trainable}
         weights = _RegionWeights(own=own, trainable_ids=frozenset(bytes_of),
                                  trainable_bytes=sum(bytes_of.values()), bytes_of=bytes_of, others=tuple(others))
         self._region_weights_cache[key] = weights
