@@ -14,7 +14,8 @@ many of the largest units as reduce-scatter inputs are kept in flight, the large
 worker thread, and its shard for an all-gather's copy-in.
 
 What it gathers is counted where it lives (``gathered``): a unit's unsharded parameters in the footprints of the
-runs that read them, one unit gathered ahead all step, and a unit's gradients as its shards.
+runs that read them, one unit gathered ahead all step, and a unit's gradients as its shards; what it holds at a
+step's start is read afresh each step (``held_now``).
 
 Units are the modules ``fully_shard`` was applied to, each with the parameters under it that no inner unit
 owns; a distributed tensor's ``numel`` is its full size. The modules are found through the registry FSDP2 (like
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import torch
 import torch.nn as nn
 
 
@@ -110,34 +112,54 @@ class Gathered:
 
     A unit that reshards after its forward (every unit but the root, by default) gathers its parameters for its
     forward, frees them after it, and gathers them again for its backward, one unit ahead of the backward
-    (implicit prefetch). So the step does not hold them all through: a run holds its own unit's while it runs,
-    and one unit more may be gathered beside it. Counting every unit's as held all step counted the whole
-    unsharded model on each rank (the sharding undone, in the step's accounting). The gradients a unit's
-    backward leaves are its shards (the full ones are reduce-scattered and freed as the backward ends)."""
+    (implicit prefetch). So the step does not hold them all through: a run that reads all of a unit's
+    parameters holds them while it runs, and one unit more may be gathered beside it. Counting every unit's as
+    held all step counted the whole unsharded model on each rank (the sharding undone, in the step's
+    accounting). Only a unit that holds its parameters for its own forward alone is counted so: not the root
+    (it keeps them from its forward to its backward, or frees them only after every other unit's forward), not
+    a unit with units inside it (gathered through theirs), not one that keeps a part after its forward (an
+    integer ``reshard_after_forward``); those count all step, from the first run that reads them."""
 
-    freed: frozenset[int] = frozenset()
-    """ids of the unsharded parameters of units that free them after their forward."""
+    per_run: frozenset[int] = frozenset()
+    """ids of the unsharded parameters of units that free them after their own forward."""
+    unit_of: dict[int, frozenset[int]] = field(default_factory=dict)
+    """id of such a parameter -> the ids of its unit's: counted per run only where one run reads them all (a
+    graph break inside a unit splits them: its first part's stay gathered through the second's run)."""
     shard_bytes: dict[int, int] = field(default_factory=dict)
-    """id of an unsharded parameter -> the bytes of its shard on this rank (what its gradient leaves)."""
+    """id of an unsharded parameter -> the bytes of its shard on this rank: what its gradient leaves when its
+    unit reduce-scatters (not under ``set_requires_gradient_sync(False)``: then the full gradient stays)."""
     ahead_bytes: int = 0
-    """The largest such unit's unsharded bytes: what may be gathered ahead of the run that reads it."""
+    """The largest unit counted per run, times the units its backward may gather ahead (one; more where explicit
+    prefetch lists say so): what may be gathered beside the run that reads it."""
+
+
+def _units_and_groups(units: list[nn.Module] | None) -> Iterator[tuple[nn.Module, Any, list[Any]]]:
+    """(unit, its FSDP state, its parameter groups) of every unit whose private layout this torch has."""
+    for unit in fsdp_units() if units is None else units:
+        try:
+            state = unit._get_fsdp_state()  # type: ignore[operator, attr-defined]
+            groups = list(state._fsdp_param_groups)
+        except Exception:  # another torch's private layout: nothing known, every gathered weight held all step
+            continue
+        yield unit, state, groups
 
 
 def gathered(units: list[nn.Module] | None = None) -> Gathered:
     """What FSDP2's units gathered so far (a unit's unsharded parameters exist from its first all-gather on),
-    and the allowance for a unit gathered ahead; empty where nothing is sharded."""
-    units = fsdp_units() if units is None else units
-    freed: set[int] = set()
+    and the allowance for units gathered ahead; empty where nothing is sharded."""
+    listed = list(_units_and_groups(units))
+    unit_ids = {id(u) for u, _, _ in listed}
+    per_run: set[int] = set()
+    unit_of: dict[int, frozenset[int]] = {}
     shard_bytes: dict[int, int] = {}
-    ahead = 0
-    for unit in units:
-        try:
-            groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator, attr-defined]
-        except Exception:  # another torch's private layout: nothing known, every gathered weight held all step
-            continue
+    largest, ahead_units = 0, 1
+    for unit, state, groups in listed:
+        nested = any(id(m) in unit_ids for m in unit.modules() if m is not unit)
+        frees = (not nested and state._is_root is not True and bool(groups)
+                 and all(getattr(g, "post_forward_mesh_info", None) is not None
+                         and g.post_forward_mesh_info == g.mesh_info for g in groups))
+        full, ids = 0, []
         for group in groups:
-            frees = getattr(group, "post_forward_mesh_info", None) is not None
-            full = 0
             for param in getattr(group, "fsdp_params", ()):
                 sharded = getattr(param, "sharded_param", None)
                 if sharded is None:
@@ -146,10 +168,49 @@ def gathered(units: list[nn.Module] | None = None) -> Gathered:
                 unsharded = getattr(param, "_unsharded_param", None)
                 if unsharded is None:  # not gathered yet
                     continue
-                local = getattr(sharded, "_local_tensor", sharded)
-                shard_bytes[id(unsharded)] = local.numel() * local.element_size()
-                if frees:
-                    freed.add(id(unsharded))
-            if frees:
-                ahead = max(ahead, full)
-    return Gathered(frozenset(freed), shard_bytes, ahead)
+                ids.append(id(unsharded))
+                if getattr(group, "reduce_grads", True):
+                    local = getattr(sharded, "_local_tensor", sharded)
+                    shard_bytes[id(unsharded)] = local.numel() * local.element_size()
+        if frees:
+            per_run.update(ids)
+            members = frozenset(ids)
+            unit_of.update((i, members) for i in ids)
+            largest = max(largest, full)
+            ahead_units = max(ahead_units, len(getattr(state, "_states_to_backward_prefetch", ())),
+                              len(getattr(state, "_states_to_forward_prefetch", ())))
+    return Gathered(frozenset(per_run), unit_of, shard_bytes, largest * ahead_units)
+
+
+def held_now(units: list[nn.Module] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """FSDP2's tensors on this rank at a step's start: (its shards and the gradients it holds, sharded or full
+    under ``set_requires_gradient_sync(False)``; its unsharded parameters, gathered now or not). The session
+    reads them afresh each step: which of them hold memory changes from step to step, and the raw backend sees
+    only the unsharded parameters its runs read, never the shards."""
+    held: list[torch.Tensor] = []
+    unsharded: list[torch.Tensor] = []
+    for _, _, groups in _units_and_groups(units):
+        for group in groups:
+            for param in getattr(group, "fsdp_params", ()):
+                for t, into in ((getattr(param, "sharded_param", None), held),
+                                (getattr(param, "_unsharded_param", None), unsharded)):
+                    if isinstance(t, torch.Tensor):
+                        into.append(t)
+                        if t.grad is not None:
+                            held.append(t.grad)
+                extra = getattr(param, "unsharded_accumulated_grad", None)
+                if isinstance(extra, torch.Tensor):
+                    held.append(extra)
+    return held, unsharded
+
+
+def gathered_parameters(unit: nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters of ``unit`` that exist (from its first all-gather on)."""
+    out: list[torch.Tensor] = []
+    for _, _, groups in _units_and_groups([unit]):
+        for group in groups:
+            for param in getattr(group, "fsdp_params", ()):
+                t = getattr(param, "_unsharded_param", None)
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+    return out

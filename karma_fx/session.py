@@ -96,8 +96,9 @@ class Session:
         self._calls: list[_Call] = []
         self._previous: list[_Call] | None = None
         self._previous_fit = False
-        self._made: dict[int, tuple[Any, int]] = {}
-        """Storage (``storage_of``) -> (identity, bytes) of what this step's runs returned."""
+        self._made: dict[int, tuple[Any, int, Any]] = {}
+        """Storage (``storage_of``) -> (identity, bytes, a weak reference to the storage) of what this step's runs
+        returned (a storage object's address is taken again as soon as it is freed, by any size of tensor)."""
         self._weights: dict[int, int] = {}
         """Storage (``storage_of``) -> bytes of the weights, buffers and gradients held, this step and before."""
         self._storage_of: dict[int, tuple[Any, int, int]] = {}
@@ -112,6 +113,9 @@ class Session:
         self._previous_batch = 0
         self._begin_weights: dict[int, int] = {}
         self._begin_weight_bytes = 0
+        self._not_yet = 0
+        """Bytes counted all step that the step did not hold at its start (``_begin_weights`` has them, and
+        ``_begin_weight_bytes`` not): FSDP2's gathered parameters of units not counted in their runs."""
         """The weight storages (and their bytes) the step held when it began; its runs may read others (FSDP2's
         unsharded parameters, gathered for each unit's run into the same storages step after step)."""
         self._expected_growth = 0
@@ -143,15 +147,21 @@ class Session:
         self._weights_base: dict[int, int] = {}
         self._fsdp_held: tuple[int, int] | None = None
         self._gathered = fsdp_held.Gathered()
-        """FSDP2's unsharded parameters: those freed after their unit's forward are counted in the runs that
-        read them, not all step (``fsdp_held.Gathered``); read again as a region first reads its weights."""
+        """What FSDP2 gathers (``fsdp_held.Gathered``): read again at each step's start and as a region first
+        reads its weights."""
+        self._per_run: set[int] = set()
+        self._fsdp_mine: tuple[Any, frozenset[int]] | None = None
+        self._fsdp_read: set[int] = set()
+        """ids of the FSDP2 units whose gathered parameters the raw backend's runs read (``_own_fsdp_units``)."""
+        """ids of FSDP2's unsharded parameters counted in the runs that read them, not all step: a unit's that
+        frees them after its forward, where one run reads them all."""
 
     # ---- steps ------------------------------------------------------------------------------------------
     def begin_step(self, tensors: tuple[list[nn.Parameter], list[torch.Tensor]] | None = None,
-                   outside: bool = False) -> None:
+                   outside: bool = False, first_run: list[Any] | None = None) -> None:
         """A new training step starts: the front door calls this with the model's parameters and buffers it
         has already walked, ``outside`` any compiled region (where the step can be measured: ``GapMeter``); the
-        raw backend when a run follows a backward."""
+        raw backend when a run follows a backward, with that run's inputs (``first_run``)."""
         self._between.finish()
         measure = self._measure_step(outside)
         if self._calls:
@@ -184,9 +194,28 @@ class Session:
                 if known is None or known[0]() is not grad or known[3] != grad.data_ptr():
                     known = grad_storage[id(grad)] = (weakref.ref(grad), *storage_of(grad), grad.data_ptr())
                 weights[known[1]] = known[2]
+        not_yet = 0  # weights counted from the step's start that it does not hold yet (FSDP2 gathers them)
+        units = self._own_fsdp_units() if fsdp_held.registered() else []  # (FSDP2 or another composable API)
+        if units:
+            self._gathered = fsdp_held.gathered(units)  # (gradient sync switched off or on since)
+            held_now, unsharded = fsdp_held.held_now(units)  # read afresh: what they hold changes step to step
+            for t in held_now:  # its shards (the raw backend sees only the unsharded parameters), its gradients
+                key, nbytes = storage_of(t)
+                if nbytes:
+                    weights[key] = nbytes
+            per_run, reading = self._per_run, {id(a) for a in first_run or ()}
+            for t in unsharded:  # gathered now, or (a unit not counted in its runs: the root's, one whose runs
+                key, nbytes = storage_of(t)  # are eager code) gathered at some time in the step: all step
+                if id(t) not in per_run:  # (the raw backend's walk read them at the size they had when first read)
+                    full = max(nbytes, t.numel() * t.element_size(), weights.get(key, 0))
+                    not_yet += full - nbytes
+                    weights[key] = full
+                elif nbytes and id(t) not in reading:  # (the run the step begins in counts its own)
+                    weights[key] = nbytes
         if grown is not None:  # (what this step holds from its start needs no counting ahead)
             self._expected_growth = sum(max(0, b - weights.get(p, 0)) for p, b in grown.items())
-        self._begin_weights, self._begin_weight_bytes = dict(weights), sum(weights.values())
+        self._begin_weights, self._begin_weight_bytes = dict(weights), sum(weights.values()) - not_yet
+        self._not_yet = not_yet
         if len(grad_storage) > 2 * len(held) + 64:  # forget gradients gone (set to None, replaced)
             self._grad_storage = {k: v for k, v in grad_storage.items() if v[0]() is not None}
         self._device_baseline = _allocated_on(tensors[0])
@@ -276,7 +305,7 @@ class Session:
             return
         # A weight keeps its storage from step to step: read it once (every step walks every weight, and two
         # storage lookups a weight were a tenth of a millisecond a step on a 56-weight model).
-        if id(t) not in self._gathered.freed:  # (those FSDP2 frees after its unit's forward: not held all step)
+        if id(t) not in self._per_run:  # (those FSDP2 frees after its unit's forward: not held all step)
             known = self._storage_of.get(id(t))
             if known is None or known[0]() is not t:
                 known = self._storage_of[id(t)] = (weakref.ref(t), *storage_of(t))
@@ -319,9 +348,8 @@ class Session:
         unit's own gathered parameters are in the footprints of its runs); on a GPU at least what its allocator
         held when the step began (what the caller holds besides: labels, optimizer state, other models)."""
         held = sum(self._weights.values())
-        seen = self._begin_weight_bytes + max(held - self._begin_weight_bytes, self._expected_growth)
-        seen += max(sum(self._batch.values()), self._previous_batch) + self._fsdp_in_flight()
-        return max(seen + self._gathered.ahead_bytes, self._device_baseline)
+        grown = max(held - self._begin_weight_bytes - self._not_yet, self._expected_growth) + self._not_yet
+        return self._held_at_start() + grown + self._fsdp_in_flight() + self._gathered.ahead_bytes
 
     def _held_at_start(self) -> int:
         """What the step held when it began (weights, gradients held, the batch): what a measured climb is
@@ -333,7 +361,7 @@ class Session:
     def run(self, region: Region, args: list[Any], compile_variant: Callable[[Region, Plan | None, list], Variant]
             ) -> Any:
         if self._saw_backward or not self._started:
-            self.begin_step()
+            self.begin_step(first_run=args)
         self._between.run_starts(len(self._calls))
         if region.prepared is not None and region.scratch_unmeasured and not _profiling():
             self._forget(region)  # planned under a profiler: measure its scratch and plan it again now
@@ -371,7 +399,9 @@ class Session:
         for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):
                 pointer, nbytes = storage_of(t)
-                self._made.setdefault(pointer, (("out", k, o), nbytes))
+                known = self._made.get(pointer)
+                if known is None or _gone(known[2]):
+                    self._made[pointer] = (("out", k, o), nbytes, _weak_storage(t))
         return out
 
     def _compiled_anew(self) -> None:
@@ -441,14 +471,20 @@ class Session:
                 fresh = weights.trainable_ids - self._held_grads - counted
             if fresh:
                 counted |= fresh
-                new_grads = weights.trainable_bytes if len(fresh) == len(weights.trainable_ids) else \
-                    sum(weights.bytes_of[i] for i in fresh)
+                shards = self._gathered.shard_bytes  # (FSDP2 reduce-scatters a unit's gradients: its shards stay)
+                if shards:
+                    new_grads = sum(shards.get(i, weights.bytes_of[i]) for i in fresh)
+                else:
+                    new_grads = weights.trainable_bytes if len(fresh) == len(weights.trainable_ids) else \
+                        sum(weights.bytes_of[i] for i in fresh)
         reads = []
         inputs = fp.inputs
         for i in weights.others:
             t = args[i]
             pointer, nbytes = storage_of(t)
             made = self._made.get(pointer)
+            if made is not None and _gone(made[2]):  # an output gone, its storage object's address taken again
+                made = None
             if made is None:  # the batch, or what eager code made from it: held by the caller
                 self._batch[pointer] = nbytes
                 own[pointer] = nbytes
@@ -474,8 +510,9 @@ class Session:
         if len(self._region_weights_cache) > 4 * len(self.regions) + 64:
             self._region_weights_cache.clear()  # stale compiles' entries
         if fsdp_held.registered():  # this unit's parameters are gathered now: which FSDP2 frees after its run
-            self._gathered = fsdp_held.gathered()
-        gathered = self._gathered
+            self._gathered = gathered = fsdp_held.gathered(self._own_fsdp_units(args))
+            read = {id(args[i]) for i in positions}
+            self._per_run.update(i for i in read & gathered.per_run if gathered.unit_of[i] <= read)
         own: dict[int, int] = {}
         trainable, others = [], []
         for i, (t, kind) in enumerate(zip(args, region.kinds)):
@@ -487,13 +524,12 @@ class Session:
             if kind == "param" and self.config.offload_weights:
                 continue
             self._add_weight(t)  # and a gradient it holds now (on later runs, ``begin_step`` counts those)
-            if id(t) not in gathered.freed:  # (a weight FSDP2 gathers for this run only: in its footprint)
+            if id(t) not in self._per_run:  # (a weight FSDP2 gathers for this run only: in its footprint)
                 pointer, nbytes = storage_of(t)
                 own[pointer] = nbytes
             if kind == "param" and t.requires_grad:
                 trainable.append(t)
-        # the gradients they leave: a sharded parameter's, its shard (FSDP2 reduce-scatters the full one)
-        bytes_of = {id(p): gathered.shard_bytes.get(id(p), p.numel() * p.element_size()) for p in trainable}
+        bytes_of = {id(p): p.numel() * p.element_size() for p in trainable}
         weights = _RegionWeights(own=own, trainable_ids=frozenset(bytes_of),
                                  trainable_bytes=sum(bytes_of.values()), bytes_of=bytes_of, others=tuple(others))
         self._region_weights_cache[key] = weights
@@ -518,6 +554,30 @@ class Session:
     def _base_bytes(self, signature: tuple[int, ...], margin: bool = True) -> int:
         """What the step holds all through: the persistent bytes, and the margin of ``signature``."""
         return self._persistent_bytes() + (self._margins.of(signature) if margin else 0)
+
+    def _own_fsdp_units(self, reading: list[Any] | None = None) -> list[nn.Module]:
+        """The FSDP2 units of this session's model (others may live in the process: a reference model, another
+        compiled one): under the front door those among its modules; under the raw backend, which knows no
+        model, those whose gathered parameters its runs read (``reading``: a run's inputs, read now)."""
+        units = fsdp_held.fsdp_units()
+        if not units:
+            return []
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            key = (id(model), fsdp_held.registered())
+            if self._fsdp_mine is None or self._fsdp_mine[0] != key:
+                modules = {id(m) for m in model.modules()}
+                self._fsdp_mine = (key, frozenset(id(u) for u in units if id(u) in modules))
+            return [u for u in units if id(u) in self._fsdp_mine[1]]
+        read = {id(t) for t in reading or ()}
+        known = self._fsdp_read
+        before = len(known)
+        for unit in units:
+            if id(unit) not in known and any(id(p) in read for p in fsdp_held.gathered_parameters(unit)):
+                known.add(id(unit))
+        if len(known) != before:  # and the units around them (the root: its parameters may run as eager code)
+            known.update(id(u) for u in units if any(id(m) in known for m in u.modules()))
+        return [u for u in units if id(u) in known]
 
     def _fsdp_in_flight(self) -> int:
         """``fsdp_held.in_flight_bytes``, read again only when the modules composable APIs registered change."""
@@ -739,6 +799,20 @@ def storage_of(t: torch.Tensor) -> tuple[int, int]:
         return s._cdata, s.nbytes()
     except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage to read
         return id(t), t.numel() * t.element_size()
+
+
+def _weak_storage(t: torch.Tensor) -> Any:
+    """A weak reference to ``t``'s storage (``None`` for a tensor subclass without one of its own)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _gone(ref: Any) -> bool:
+    return ref is not None and ref.expired()
 
 
 def _allocated_on(tensors: Any) -> int:
