@@ -127,7 +127,8 @@ class Gathered:
     graph break inside a unit splits them: its first part's stay gathered through the second's run)."""
     shard_bytes: dict[int, int] = field(default_factory=dict)
     """id of an unsharded parameter -> the bytes of its shard on this rank: what its gradient leaves when its
-    unit reduce-scatters (not under ``set_requires_gradient_sync(False)``: then the full gradient stays)."""
+    unit reduce-scatters as its backward ends (not under ``set_requires_gradient_sync(False)``: then the full
+    gradient stays; not the root's, reduced only when the whole backward ends)."""
     ahead_bytes: int = 0
     """The largest unit counted per run, times the units its backward may gather ahead (one; more where explicit
     prefetch lists say so): what may be gathered beside the run that reads it."""
@@ -169,7 +170,8 @@ def gathered(units: list[nn.Module] | None = None) -> Gathered:
                 if unsharded is None:  # not gathered yet
                     continue
                 ids.append(id(unsharded))
-                if getattr(group, "reduce_grads", True):
+                if getattr(group, "reduce_grads", True) and state._is_root is not True:  # (the root reduces its
+                    # gradients in the backward's final callback: full until the whole backward ends)
                     local = getattr(sharded, "_local_tensor", sharded)
                     shard_bytes[id(unsharded)] = local.numel() * local.element_size()
         if frees:

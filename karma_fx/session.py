@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from karma_fx.budget import format_bytes
 from karma_fx.config import KarmaConfig
@@ -180,6 +181,14 @@ class Session:
             # without the model (the raw backend): the weights earlier steps' runs read, whose gradients may be
             # held now
             tensors = parameters_and_buffers(model) if model is not None else self._seen_weights()
+        units = self._own_fsdp_units() if fsdp_held.registered() else []  # (FSDP2 or another composable API)
+        if units:
+            self._gathered = fsdp_held.gathered(units)  # (gradient sync switched off or on since)
+            stale = self._per_run - self._gathered.per_run
+            if stale:  # a unit keeps its parameters after its forward now (``set_reshard_after_forward(False)``)
+                self._per_run -= stale
+                self._region_weights_cache.clear()
+                self._weights_key = None
         self._weights = dict(self._weights_of(tensors))
         held_before, held = self._held_grads, set()
         self._held_grads = held
@@ -195,9 +204,7 @@ class Session:
                     known = grad_storage[id(grad)] = (weakref.ref(grad), *storage_of(grad), grad.data_ptr())
                 weights[known[1]] = known[2]
         not_yet = 0  # weights counted from the step's start that it does not hold yet (FSDP2 gathers them)
-        units = self._own_fsdp_units() if fsdp_held.registered() else []  # (FSDP2 or another composable API)
         if units:
-            self._gathered = fsdp_held.gathered(units)  # (gradient sync switched off or on since)
             held_now, unsharded = fsdp_held.held_now(units)  # read afresh: what they hold changes step to step
             for t in held_now:  # its shards (the raw backend sees only the unsharded parameters), its gradients
                 key, nbytes = storage_of(t)
@@ -510,7 +517,14 @@ class Session:
         if len(self._region_weights_cache) > 4 * len(self.regions) + 64:
             self._region_weights_cache.clear()  # stale compiles' entries
         if fsdp_held.registered():  # this unit's parameters are gathered now: which FSDP2 frees after its run
-            self._gathered = gathered = fsdp_held.gathered(self._own_fsdp_units(args))
+            before = set(self._fsdp_read)
+            units = self._own_fsdp_units(args)
+            self._gathered = gathered = fsdp_held.gathered(units)
+            found = [u for u in units if id(u) not in before] if self._model is None else []
+            if found:  # (the raw backend's first step: the units it did not know when the step began)
+                for t in fsdp_held.held_now(found)[0]:
+                    key, nbytes = storage_of(t)
+                    self._weights[key] = max(nbytes, self._weights.get(key, 0))
             read = {id(args[i]) for i in positions}
             self._per_run.update(i for i in read & gathered.per_run if gathered.unit_of[i] <= read)
         own: dict[int, int] = {}
@@ -569,8 +583,10 @@ class Session:
                 modules = {id(m) for m in model.modules()}
                 self._fsdp_mine = (key, frozenset(id(u) for u in units if id(u) in modules))
             return [u for u in units if id(u) in self._fsdp_mine[1]]
-        read = {id(t) for t in reading or ()}
         known = self._fsdp_read
+        if not reading:
+            return [u for u in units if id(u) in known]
+        read = {id(t) for t in reading}
         before = len(known)
         for unit in units:
             if id(unit) not in known and any(id(p) in read for p in fsdp_held.gathered_parameters(unit)):
@@ -802,9 +818,11 @@ def storage_of(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _weak_storage(t: torch.Tensor) -> Any:
-    """A weak reference to ``t``'s storage (``None`` for a tensor subclass without one of its own)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
+    """A weak reference to ``t``'s storage, the one ``storage_of`` names (``None`` for a tensor subclass without
+    one of its own)."""
+    local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
+    if isinstance(local, torch.Tensor):
+        t = local
     try:
         return StorageWeakRef(t.untyped_storage())
     except (RuntimeError, NotImplementedError):
