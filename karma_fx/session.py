@@ -112,7 +112,7 @@ class Session:
         self._params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._batch: dict[int, int] = {}
         self._previous_batch = 0
-        self._begin_weights: dict[int, int] = {}
+        self._begin_weights: dict[int, int] | None = None
         self._begin_weight_bytes = 0
         self._not_yet = 0
         """Bytes counted all step that the step did not hold at its start (``_begin_weights`` has them, and
@@ -169,7 +169,7 @@ class Session:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
                 self._previous_batch = sum(self._batch.values())
-        begun = self._begin_weights  # what the step held when it began, and what its runs read besides:
+        begun = self._begin_weights or {}  # what the step held when it began, and what its runs read besides:
         grown = {p: b for p, b in self._weights.items() if b > begun.get(p, 0)} if self._viewed else None
         self._viewed = False
         self._calls, self._made, self._batch = [], {}, {}
@@ -221,7 +221,9 @@ class Session:
                     weights[key] = nbytes
         if grown is not None:  # (what this step holds from its start needs no counting ahead)
             self._expected_growth = sum(max(0, b - weights.get(p, 0)) for p, b in grown.items())
-        self._begin_weights, self._begin_weight_bytes = dict(weights), sum(weights.values()) - not_yet
+        # (copied only when a run reads weights, in ``_view``: a replayed step reads none, and copying every
+        # weight's entry each step was a tenth of the host work of a call on 300 weights)
+        self._begin_weights, self._begin_weight_bytes = None, sum(weights.values()) - not_yet
         self._not_yet = not_yet
         if len(grad_storage) > 2 * len(held) + 64:  # forget gradients gone (set to None, replaced)
             self._grad_storage = {k: v for k, v in grad_storage.items() if v[0]() is not None}
@@ -465,6 +467,8 @@ class Session:
     def _view(self, region: Region, fp: Footprint, args: list[Any]) -> Run:
         """How the step sees this run of ``region`` with a plan of footprint ``fp`` (its inputs from ``args``)."""
         k = len(self._calls)
+        if self._begin_weights is None:  # what the step held when it began, before its runs read weights
+            self._begin_weights = dict(self._weights)
         weights, first = self._region_weights(region, args)  # ``first``: its trainable parameters, if read now
         self._viewed = True
         self._weights.update(weights.own)
