@@ -37,7 +37,7 @@ from karma_fx.config import KarmaConfig
 from karma_fx.errors import UnsupportedModelError
 from karma_fx.passes.capture import _friendly_errors
 from karma_fx.passes.partition import make_partition_fn
-from karma_fx.passes.rewrite import computed_where_planned
+from karma_fx.passes.rewrite import computed_where_planned, recomputations_end_their_functions
 from karma_fx.plan import Plan
 from karma_fx.regions import Footprint
 from karma_fx.session import Session
@@ -283,6 +283,7 @@ class KarmaBackend:
             if pipeline is not None:  # in the partition, so that Inductor compiles the calls too
                 insert_gradient_hooks(bw, pipeline, order_reads=inductor)
             if inductor:  # Inductor computes a pointwise result where it is read: past a prefetch, a recompute
+                recomputations_end_their_functions(bw)  # and a recompute's loops end with it
                 computed_where_planned(fw)
                 computed_where_planned(bw)
             return fw, bw

@@ -98,8 +98,8 @@ if TYPE_CHECKING:
     from karma_fx.device import DeviceSpec
 
 __all__ = ["computed_again_past_views", "delayed_matmuls", "fused_storages", "inductor_model", "inductor_problem",
-           "inlined_reads", "kernel_costs", "kernel_groups", "loop_runs", "outputs_held_through_runs", "PartitionPeaks",
-           "partition_peaks", "saved_for_shapes_held", "tangents_held", "written_in_place"]
+           "inlined_reads", "kernel_costs", "kernel_groups", "loop_ops", "loop_runs", "outputs_held_through_runs",
+           "PartitionPeaks", "partition_peaks", "saved_for_shapes_held", "tangents_held", "written_in_place"]
 
 _FUSED_KINDS = ("activation", "temp")
 
@@ -194,6 +194,15 @@ def loop_runs(problem: Problem, fusible: Collection[str]) -> tuple[tuple[int, ..
     if len(current) > 1:
         runs.append(tuple(current))
     return tuple(runs)
+
+
+def loop_ops(problem: Problem, fusible: Collection[str]) -> frozenset[str]:
+    """The ops of ``problem`` that take part in a function of loops (``Problem.loop_ops``): those Inductor
+    computes in its loops (``fusible``, or a seeded random draw) and those that run no kernel where the graph
+    has them (``loop_runs``' dead ops and matmuls moved to their add), which do not end a stretch."""
+    fusible = frozenset(fusible)
+    return frozenset(op.name for op in problem.ops if op.name in fusible or op.target in SEEDED_LOOP_OPS
+                     or _moved_to_its_add(problem, op) or _is_dead(problem, op))
 
 
 def _is_dead(problem: Problem, op: Any) -> bool:
@@ -421,7 +430,10 @@ def _as_kernels_hold_it(allocated: Problem, fused: frozenset[str], fusible: Coll
     inlined = inlined_reads(allocated, fused)
     held = outputs_held_through_runs(inlined, fusible)
     written = written_in_place(tangents_held(saved_for_shapes_held(held)), fusible, saved_in_place)
-    return inputs_held_through_runs(written, fusible, inlined, backward_only=not saved_in_place)
+    kept = inputs_held_through_runs(written, fusible, inlined, backward_only=not saved_in_place)
+    by_runs = frozenset((after.name, name) for before, after in zip(inlined.ops, held.ops)
+                        for name in set(after.inputs) - set(before.inputs))
+    return replace(kept, loop_ops=loop_ops(kept, fusible), held_by_runs=by_runs)
 
 
 def inputs_held_through_runs(problem: Problem, fusible: Collection[str], links: Problem, *,

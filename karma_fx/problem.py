@@ -87,6 +87,16 @@ class Problem:
     fused_kernels: bool = False
     """Whether this is the step as Inductor runs it (``fusion.inductor_problem``): its kernels compute several
     ops each and may run a reader's half of an op late, which some moves need to know."""
+    loop_ops: frozenset[str] = frozenset()
+    """On the step Inductor runs: the ops it computes in its loops, or runs no kernel for where the graph has
+    them (a dead op, a matmul its ``addmm`` rewrite runs later). A stretch of them, recomputed ops included, is
+    one function of loops that holds what it reads and writes until it returns, which the simulator needs where
+    a plan puts a recompute chain beside the backward's loops (``fusion.loop_ops``)."""
+    held_by_runs: frozenset[tuple[str, str]] = frozenset()
+    """On the step Inductor runs: (op, storage) for each read ``fusion.outputs_held_through_runs`` gave the last op
+    of a run of loops, which holds the run's outputs to its end as if the run were one function. A recompute
+    chain is cut into functions where it rebuilds a tensor (``passes.rewrite`` pins it there), so the simulator
+    drops these reads from a chain's ops and holds what the chain's functions really hold instead."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _op_index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 

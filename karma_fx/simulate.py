@@ -97,9 +97,14 @@ class _Static:
     rebuilding these per replay, and looking storages up through ``Problem.storage`` in the loops, was a
     third of each replay."""
 
-    __slots__ = ("inputs", "outputs", "size_of", "lives", "arrivals", "names")
+    __slots__ = ("inputs", "outputs", "size_of", "lives", "arrivals", "names", "in_loops", "chain_inputs")
 
     def __init__(self, problem: Problem) -> None:
+        self.in_loops = [op.name in problem.loop_ops for op in problem.ops] if problem.loop_ops else None
+        held = problem.held_by_runs
+        # what an op reads when a recompute chain runs it: its functions hold the rest (``_held_by_functions``)
+        self.chain_inputs = [tuple(s for s in op.inputs if (op.name, s) not in held) if held else op.inputs
+                             for op in problem.ops]
         self.inputs = [op.inputs for op in problem.ops]
         self.outputs = [op.outputs for op in problem.ops]
         self.size_of = {st.name: st.size_bytes for st in problem.storages}
@@ -449,8 +454,11 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
     item_op, item_rc, first_item, op_item, group_of = (seq.item_op, seq.item_rc, seq.first_item, seq.op_item,
                                                        seq.group_of)
     n_items = len(item_op)
-    inputs, outputs, size_of = static.inputs, static.outputs, static.size_of
+    inputs, outputs, size_of, in_loops = static.inputs, static.outputs, static.size_of, static.in_loops
+    chain_inputs = static.chain_inputs
     grads_out = {d.tensor for d in decisions if isinstance(d, GradToHost)}
+    chain_reads: list[tuple[int, int]] = []  # (item, instance) a recompute chain's ops read or write
+    chain_ends: set[int] = set()  # items of the chain that rebuild one of its tensors
     # Instances: parallel lists. ``last`` is the last item reading the instance, or its allocation when none
     # does (reads come in item order, so the latest read is the last one).
     i_name: list[str] = []
@@ -496,6 +504,8 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
         r = item_rc[k]
         if r is not None and (k == 0 or item_rc[k - 1] is not r):
             made = {}
+            chain_reads = []
+            chain_ends = set()
             for t in r.tensors:  # dropped after their last read before this chain
                 inst = current.get(t)
                 if inst is not None:
@@ -542,7 +552,7 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
                     current[d.tensor] = None
                     offload_instance[id(d)] = inst
             continue
-        for sname in inputs[op]:
+        for sname in chain_inputs[op]:
             inst = made.get(sname)
             if inst is None:
                 inst = current.get(sname)
@@ -552,14 +562,19 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
             if inst in waited_from:
                 check_wait(inst, k, sname, op)
             i_last[inst] = k
+            chain_reads.append((k, inst))
         for sname in outputs[op]:
             inst = new_instance(sname, k)
             made[sname] = inst
+            chain_reads.append((k, inst))
             if sname in r.tensors:
+                chain_ends.add(k)
                 if current.get(sname) is not None:
                     raise InvalidPlanError(f"{sname} is recomputed before {r.reload_before} while still on the device")
                 current[sname] = inst
         if k + 1 == n_items or item_rc[k + 1] is not r:
+            if in_loops is not None:
+                _held_by_functions(chain_reads, chain_ends | {k}, item_op, in_loops, i_last)
             for sname, inst in made.items():  # chain temporaries die with the chain
                 if sname not in r.tensors:
                     i_end[inst] = i_last[inst]
@@ -578,6 +593,28 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
             raise InvalidPlanError(f"{d.tensor} is not on the device when its offload is issued")
     return _Stays(i_name, i_size, i_alloc, i_end, [0.0] * len(i_name), offload_instance, prefetched_instance,
                   grad_copy_after, recompute_frees)
+
+
+def _held_by_functions(chain_reads: list[tuple[int, int]], ends: set[int], item_op: list[int],
+                       in_loops: list[bool], i_last: list[int]) -> None:
+    """On the step Inductor runs, a recompute chain's loop ops are compiled into functions of loops: each
+    stretch of consecutive loop items of the chain is one, ended where the chain rebuilds a tensor for later
+    readers (``ends``: those items and the chain's last), where the rewrite passes it through ``karma.wait``
+    (``passes.rewrite.recomputations_end_their_functions``), so the backward's loops start a function of their
+    own. A function allocates every buffer it writes before it runs and frees what it read only when it
+    returns, so each instance a chain's loop op reads or writes (``chain_reads``: item, instance, in item order)
+    lives to its function's last item. Counted as dying at its last read, a rebuilt matmul's output was freed
+    before the rebuilt tensors were written (``tests/test_simulate.py``)."""
+    end = -1
+    for t, inst in chain_reads:
+        if not in_loops[item_op[t]]:
+            continue
+        if t > end:  # a new function: find where it ends
+            end = t
+            while end not in ends and in_loops[item_op[end + 1]]:
+                end += 1
+        if i_last[inst] < end:
+            i_last[inst] = end
 
 
 # ---- 4. timing ------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ import torch.fx as fx
 
 from karma_fx.passes.liveness import storage_key
 
-__all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "extern_readers", "fusible_ops",
-           "inlined_ops", "inlined_past_views", "is_lazily_stored", "layout_optimized", "stitched",
-           "with_channels_last_copies"]
+__all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "computes_in_loops",
+           "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views", "is_lazily_stored", "is_view",
+           "layout_optimized", "stitched", "with_channels_last_copies"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -106,6 +106,16 @@ def _stores_its_result(target: object) -> bool:
 
 def _is_view(node: fx.Node) -> bool:
     return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
+
+
+def computes_in_loops(node: fx.Node) -> bool:
+    """Whether Inductor computes ``node`` in its own loops (not an extern kernel, not a view)."""
+    return node.op == "call_function" and not _is_view(node) and _computes_in_loops(node.target)
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a view (or an item of a tuple) of another node's result."""
+    return node.op == "call_function" and _is_view(node)
 
 
 def fusible_ops(graph: fx.Graph) -> frozenset[str]:

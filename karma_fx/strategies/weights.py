@@ -109,9 +109,7 @@ def without_weights(problem: Problem) -> Problem:
     """The same step with parameters and their gradients weighing nothing: what the inner strategy plans."""
     storages = tuple(replace(s, size_bytes=0) if s.kind == "param" or (s.kind == "gradient" and s.is_output)
                      else s for s in problem.storages)
-    return Problem(ops=problem.ops, storages=storages, num_fwd_ops=problem.num_fwd_ops,
-                   cut_points=problem.cut_points, aliases=problem.aliases, name=problem.name,
-                   fused_kernels=problem.fused_kernels)
+    return replace(problem, storages=storages, _index={}, _op_index={})
 
 
 class WeightsOutOfCore:
