@@ -97,10 +97,13 @@ class _Static:
     rebuilding these per replay, and looking storages up through ``Problem.storage`` in the loops, was a
     third of each replay."""
 
-    __slots__ = ("inputs", "outputs", "size_of", "lives", "arrivals", "names", "in_loops", "chain_inputs")
+    __slots__ = ("inputs", "outputs", "size_of", "lives", "arrivals", "names", "in_loops", "chain_inputs",
+                 "read_in_backward")
 
     def __init__(self, problem: Problem) -> None:
         self.in_loops = [op.name in problem.loop_ops for op in problem.ops] if problem.loop_ops else None
+        nf = problem.num_fwd_ops
+        self.read_in_backward = {s.name for s in problem.storages if s.users and s.users[-1] >= nf}
         held = problem.held_by_runs
         # what an op reads when a recompute chain runs it: its functions hold the rest (``_held_by_functions``)
         self.chain_inputs = [tuple(s for s in op.inputs if (op.name, s) not in held) if held else op.inputs
@@ -455,7 +458,7 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
                                                        seq.group_of)
     n_items = len(item_op)
     inputs, outputs, size_of, in_loops = static.inputs, static.outputs, static.size_of, static.in_loops
-    chain_inputs = static.chain_inputs
+    chain_inputs, read_in_backward = static.chain_inputs, static.read_in_backward
     grads_out = {d.tensor for d in decisions if isinstance(d, GradToHost)}
     chain_reads: list[tuple[int, int]] = []  # (item, instance) a recompute chain's ops read or write
     chain_ends: set[int] = set()  # items of the chain that rebuild one of its tensors
@@ -568,7 +571,8 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
             made[sname] = inst
             chain_reads.append((k, inst))
             if sname in r.tensors:
-                chain_ends.add(k)
+                if sname in read_in_backward:  # the rewrite pins it there
+                    chain_ends.add(k)
                 if current.get(sname) is not None:
                     raise InvalidPlanError(f"{sname} is recomputed before {r.reload_before} while still on the device")
                 current[sname] = inst
@@ -598,8 +602,8 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
 def _held_by_functions(chain_reads: list[tuple[int, int]], ends: set[int], item_op: list[int],
                        in_loops: list[bool], i_last: list[int]) -> None:
     """On the step Inductor runs, a recompute chain's loop ops are compiled into functions of loops: each
-    stretch of consecutive loop items of the chain is one, ended where the chain rebuilds a tensor for later
-    readers (``ends``: those items and the chain's last), where the rewrite passes it through ``karma.wait``
+    stretch of consecutive loop items of the chain is one, ended where the chain rebuilds a tensor the backward
+    reads (``ends``: those items and the chain's last), where the rewrite passes it through ``karma.wait``
     (``passes.rewrite.recomputations_end_their_functions``), so the backward's loops start a function of their
     own. A function allocates every buffer it writes before it runs and frees what it read only when it
     returns, so each instance a chain's loop op reads or writes (``chain_reads``: item, instance, in item order)

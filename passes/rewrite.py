@@ -463,9 +463,10 @@ def computed_where_planned(gm: fx.GraphModule) -> int:
 
 
 def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
-    """Make each recomputation the plan places end a function of loops wherever it rebuilds a tensor for later
-    readers, by passing that tensor through ``karma.wait`` just after it is computed; returns how many it
-    pinned. For planned graphs Inductor compiles.
+    """Make each recomputation the plan places end a function of loops wherever it rebuilds, with loops, a tensor
+    that the backward reads, by passing that tensor through ``karma.wait`` just after it is computed; returns
+    how many it pinned. For planned graphs Inductor compiles, before ``computed_where_planned`` (which then sees a
+    recomputation start after each wait and may pin more: more functions, never fewer, than the simulator counts).
 
     On a CPU Inductor emits every loop between two extern kernels as one function that allocates all its
     outputs before it runs and frees what it read after it returns. A recomputation whose last ops are loops
@@ -473,13 +474,20 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
     so the rebuilt matmul's output, the rebuilt tensors and the backward's outputs were all held together: a
     plan rebuilding three blocks measured 9% above its prediction (``tests/test_inductor.py``). The wait is an
     extern kernel, so the function ends there: the backward's loops start one of their own, and the simulator
-    ends the recomputation's function at each rebuilt tensor (``karma_fx.simulate``). Each is pinned where it
-    is computed, not all at the chain's end: Inductor stores a loop's result when its reader is lowered, so a
-    value pinned after another's wait was computed after it, past the boundary. The rebuilt tensors are stored
-    either way: a backward op reads them."""
+    ends the recomputation's function at each rebuilt tensor the backward reads (``karma_fx.simulate``). Each is
+    pinned where it is computed, not all at the chain's end: Inductor stores a loop's result when its reader is
+    lowered, so a value pinned after another's wait was computed after it, past the boundary. A tuple's items
+    (a rebuilt ``var_mean``'s mean) are pinned where the rewrite unpacks them; a value read through views only
+    by the recomputation (which Inductor may inline) is left alone. The rebuilt tensors are stored either way:
+    a backward op reads them."""
     graph = gm.graph
-    rebuilt = [node for node in graph.nodes if _recomputes(node) and isinstance(node.meta.get("val"), torch.Tensor)
-               and (computes_in_loops(node) or is_view(node)) and any(not _recomputes(u) for u in node.users)]
+    rebuilt: list[fx.Node] = []
+    for node in graph.nodes:
+        if not (_recomputes(node) and computes_in_loops(node)):
+            continue
+        values = [node] if isinstance(node.meta.get("val"), torch.Tensor) else [
+            u for u in node.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
+        rebuilt.extend(v for v in values if _read_past_its_recomputation(v))
     for node in rebuilt:
         with graph.inserting_after(node):
             waited = graph.call_function(torch.ops.karma.wait.default, (node,))
@@ -489,6 +497,21 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return len(rebuilt)
+
+
+def _read_past_its_recomputation(value: fx.Node) -> bool:
+    """Whether a node that is not a recomputation's reads ``value``, directly or through views."""
+    stack, seen = list(value.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if is_view(user):
+            stack.extend(user.users)
+        elif not _recomputes(user):
+            return True
+    return False
 
 
 def _device_of(node: fx.Node) -> torch.device:

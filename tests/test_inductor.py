@@ -6,6 +6,7 @@ possible, and every test shares one Inductor cache directory (kernels compiled o
 from __future__ import annotations
 
 import copy
+import operator
 import re
 import warnings
 
@@ -810,10 +811,11 @@ def test_a_pointwise_result_read_past_a_prefetch_is_computed_before_it():
 
 
 def test_a_recomputation_ending_in_loops_ends_its_function():
-    """``recomputations_end_their_functions``: each tensor a recomputation rebuilds with loops for later readers
-    (a ``tanh`` and a ``sigmoid`` of a rebuilt matmul) is read through ``karma.wait`` placed just after it, so
-    that Inductor ends the function of loops there, before the backward's loops that read it. A value only the
-    recomputation reads (a ``sin`` a rebuilt matmul reads) is left alone, and the graph computes the same
+    """``recomputations_end_their_functions``: each tensor a recomputation rebuilds with loops for the backward
+    (a ``tanh`` and a ``sigmoid`` of a rebuilt matmul, a ``var_mean``'s mean, a ``sigmoid`` of a view) is read
+    through ``karma.wait`` placed just after it, so that Inductor ends the function of loops there, before the
+    backward's loops that read it. A value only the recomputation reads (a ``sin`` a rebuilt matmul reads, a
+    product read through a view by a rebuilt ``sigmoid``) is left alone, and the graph computes the same
     values."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -823,22 +825,27 @@ def test_a_recomputation_ending_in_loops_ends_its_function():
         m = torch.mm(x, w)  # rebuilt: a matmul, then loops
         t = m.tanh()
         s = t.sigmoid()
-        h = g * t * s
+        _, mean = torch.var_mean(m, dim=1)
+        u = (m * 2).view(-1).sigmoid()
+        h = g * t * s * mean[:, None] * u.view(4, 4)
         late = torch.mm(t.sin(), w)  # rebuilt, ending with a matmul
         return h, torch.mm(late, w)
 
     args = (torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
     gm = make_fx(step)(*args)
     aten, wait = torch.ops.aten, torch.ops.karma.wait.default
+    rebuilt = (aten.tanh.default, aten.sigmoid.default, aten.sin.default, aten.var_mean.correction)
     for node in gm.graph.nodes:
-        if node.target in (aten.tanh.default, aten.sigmoid.default, aten.sin.default) or (
+        if node.target in rebuilt or (node.target is aten.mul.Tensor and node.args[1] == 2) or (
                 node.target is aten.mm.default and node.args[0].op == "placeholder" and node.args[0].name == "x_1"):
             node.meta["karma"] = {"recompute_of": node.name}
     mm_late = next(n for n in gm.graph.nodes if n.target is aten.sin.default).next
     mm_late.meta["karma"] = {"recompute_of": mm_late.name}
-    assert recomputations_end_their_functions(gm) == 2
+    assert recomputations_end_their_functions(gm) == 4
     waits = [n for n in gm.graph.nodes if n.target is wait]
-    assert [w.args[0].target for w in waits] == [aten.tanh.default, aten.sigmoid.default]
+    assert [w.args[0].target for w in waits] == [aten.tanh.default, aten.sigmoid.default, operator.getitem,
+                                                 aten.sigmoid.default]
+    assert waits[2].args[0].args[1] == 1  # the mean, not the variance no one reads
     assert all(w.prev is w.args[0] for w in waits)  # just after what it pins
     assert [u.target for u in waits[0].args[0].users] == [wait]  # every later reader reads the pinned value
     assert {u.target for u in waits[0].users} == {aten.sigmoid.default, aten.mul.Tensor, aten.sin.default}
