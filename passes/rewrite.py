@@ -110,33 +110,40 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
             _copy_meta(ready, source, "backward")
             _redirect(graph, readers, {source: ready}, op_names)
             reloaded[source] = ready
-    for d in plan.decisions:
+    # In the order they run, so that a recompute reading what an earlier one rebuilt reads the rebuilt copy, as
+    # the plan says; reading the original kept the forward's tensor alive until then.
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    chains = []
+    for i, d in enumerate(plan.decisions):
         if isinstance(d, Recompute):
             readers = [r for t in d.tensors for r in backward_readers(t)]
-            if not readers:
-                continue
-            anchor = first_in_graph(readers + [nodes[d.reload_before]])
-            # A recompute reading an offloaded tensor (a dropout output rebuilt from its swapped-out mask)
-            # reads the reload, as the plan says; the original would stay on the device all along.
-            replaced: dict[fx.Node, fx.Node] = dict(reloaded)
-            with graph.inserting_before(anchor):
-                for name in d.ops:
-                    original = nodes[name]
-                    if original.meta.get("val") is None:
-                        raise InvalidPlanError(f"cannot recompute {name}: it has no traced value")
-                    stand_ins = _running_stat_stand_ins(original)
-                    clone = graph.node_copy(original, lambda a: stand_ins.get(a) or snapshot(a) if a in buffers
-                                            else _materialize(graph, a, replaced, op_names))
-                    clone.meta["partitioner_tag"] = "is_backward"
-                    clone.meta["karma"] = {"recompute_of": name}
-                    replaced[original] = clone
-                    _unpack_now(graph, original, clone, replaced)
-            # Readers take the copies of what the plan rebuilds, nothing else: a rebuilt op's other outputs
-            # (a batch norm's new running statistics) are still resident, and reading their copies would keep
-            # bytes alive that the plan never counted.
-            rebuilt = set(d.tensors)
-            _redirect(graph, readers, {o: c for o, c in replaced.items() if storage_of.get(o.name) in rebuilt},
-                      op_names)
+            if readers:
+                anchor = first_in_graph(readers + [nodes[d.reload_before]])
+                chains.append((position[anchor], i, d, readers, anchor))
+    rebuilt_before: dict[fx.Node, fx.Node] = {}  # a tensor earlier recomputes rebuilt → its latest copy
+    for _, _, d, readers, anchor in sorted(chains, key=lambda c: c[:2]):
+        # A recompute reading an offloaded tensor (a dropout output rebuilt from its swapped-out mask)
+        # reads the reload, as the plan says; the original would stay on the device all along.
+        replaced: dict[fx.Node, fx.Node] = {**reloaded, **rebuilt_before}
+        with graph.inserting_before(anchor):
+            for name in d.ops:
+                original = nodes[name]
+                if original.meta.get("val") is None:
+                    raise InvalidPlanError(f"cannot recompute {name}: it has no traced value")
+                stand_ins = _running_stat_stand_ins(original)
+                clone = graph.node_copy(original, lambda a: stand_ins.get(a) or snapshot(a) if a in buffers
+                                        else _materialize(graph, a, replaced, op_names))
+                clone.meta["partitioner_tag"] = "is_backward"
+                clone.meta["karma"] = {"recompute_of": name}
+                replaced[original] = clone
+                _unpack_now(graph, original, clone, replaced)
+        # Readers take the copies of what the plan rebuilds, nothing else: a rebuilt op's other outputs
+        # (a batch norm's new running statistics) are still resident, and reading their copies would keep
+        # bytes alive that the plan never counted.
+        rebuilt = set(d.tensors)
+        copies = {o: c for o, c in replaced.items() if storage_of.get(o.name) in rebuilt}
+        _redirect(graph, readers, copies, op_names)
+        rebuilt_before.update(copies)
     for d in plan.decisions:
         if isinstance(d, StreamWeight) and nodes[d.tensor].op != "placeholder":
             _host_cast(nodes[d.tensor], storage_of, {s.name for s in problem.storages if s.kind == "param"})
