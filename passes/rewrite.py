@@ -192,7 +192,7 @@ def _record_traced_inputs(graph: fx.Graph) -> None:
     (``inductor_realize_to_strides``: once, not as a second copy for the offload), and each inserted node
     carries its inputs' traced values (``eager_input_vals``), without which Inductor leaves a custom op's
     inputs inserted by a pass free of any layout constraint."""
-    karma_ops = (torch.ops.karma.offload.default, torch.ops.karma.prefetch.default, torch.ops.karma.wait.default)
+    karma_ops = _KARMA_OPS
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in karma_ops:
             continue
@@ -483,11 +483,16 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
     extern kernel, so the function ends there: the backward's loops start one of their own, and the simulator
     ends the recomputation's function at each rebuilt tensor the backward reads (``karma_fx.simulate``). Each is
     pinned where it is computed, not all at the chain's end: Inductor stores a loop's result when its reader is
-    lowered, so a value pinned after another's wait was computed after it, past the boundary. A tuple's items
+    lowered, so a value pinned after another's wait was computed after it, past the boundary. A recomputation
+    that starts with loops right after the backward's loops also begins a function of its own: its first op reads
+    one of its inputs, a buffer already (a saved tensor, a matmul's output), through a wait, so that the loops
+    before it, which the simulator counts apart, do not join its first function. A tuple's items
     (a rebuilt ``var_mean``'s mean) are pinned where the rewrite unpacks them; a value read through views only
     by the recomputation (which Inductor may inline) is left alone. The rebuilt tensors are stored either way:
     a backward op reads them."""
     graph = gm.graph
+    starts = [node for node in graph.nodes if _recomputes(node) and computes_in_loops(node)
+              and _begins_after_loops(node)]
     rebuilt: list[fx.Node] = []
     for node in graph.nodes:
         if not (_recomputes(node) and computes_in_loops(node)):
@@ -500,10 +505,35 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
             waited = graph.call_function(torch.ops.karma.wait.default, (node,))
         waited.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
         node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not waited)
-    if rebuilt:
+    begun = 0
+    for node in starts:  # a recomputation after loops begins a function: it reads a buffer through a wait
+        read = next((a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
+                     and (a.op == "placeholder" or a.op == "call_function" and not computes_in_loops(a) and (
+                         not is_view(a) or a.target in _KARMA_OPS))), None)
+        if read is None:
+            continue
+        with graph.inserting_before(node):
+            waited = graph.call_function(torch.ops.karma.wait.default, (read,))
+        waited.meta.update({k: v for k, v in read.meta.items() if k in ("val", "tensor_meta")})
+        node.replace_input_with(read, waited)
+        begun += 1
+    if rebuilt or begun:
         graph.lint()
         gm.recompile()
-    return len(rebuilt)
+    return len(rebuilt) + begun
+
+
+_KARMA_OPS = (torch.ops.karma.offload.default, torch.ops.karma.prefetch.default, torch.ops.karma.wait.default)
+"""Extern kernels whose result (an alias, to Inductor a view) is a buffer already."""
+
+
+def _begins_after_loops(node: fx.Node) -> bool:
+    """Whether the op before ``node`` in the graph (views passed over) is not a recomputation's and is computed
+    in Inductor's loops: ``node`` begins a recomputation that would join those loops' function."""
+    before = node.prev
+    while before.op == "call_function" and is_view(before) and before.target not in _KARMA_OPS:
+        before = before.prev
+    return not _recomputes(before) and computes_in_loops(before)
 
 
 def _read_past_its_recomputation(value: fx.Node) -> bool:

@@ -814,9 +814,9 @@ def test_a_recomputation_ending_in_loops_ends_its_function():
     """``recomputations_end_their_functions``: each tensor a recomputation rebuilds with loops for the backward
     (a ``tanh`` and a ``sigmoid`` of a rebuilt matmul, a ``var_mean``'s mean, a ``sigmoid`` of a view) is read
     through ``karma.wait`` placed just after it, so that Inductor ends the function of loops there, before the
-    backward's loops that read it. A value only the recomputation reads (a ``sin`` a rebuilt matmul reads, a
-    product read through a view by a rebuilt ``sigmoid``) is left alone, and the graph computes the same
-    values."""
+    backward's loops that read it; a recomputation starting with loops right after other loops begins a function
+    of its own. A value only the recomputation reads (a ``sin`` a rebuilt matmul reads, a product read through a
+    view by a rebuilt ``sigmoid``) is left alone, and the graph computes the same values."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from karma_fx.passes.rewrite import recomputations_end_their_functions
@@ -841,14 +841,18 @@ def test_a_recomputation_ending_in_loops_ends_its_function():
             node.meta["karma"] = {"recompute_of": node.name}
     mm_late = next(n for n in gm.graph.nodes if n.target is aten.sin.default).next
     mm_late.meta["karma"] = {"recompute_of": mm_late.name}
-    assert recomputations_end_their_functions(gm) == 4
+    assert recomputations_end_their_functions(gm) == 5
     waits = [n for n in gm.graph.nodes if n.target is wait]
     assert [w.args[0].target for w in waits] == [aten.tanh.default, aten.sigmoid.default, operator.getitem,
-                                                 aten.sigmoid.default]
+                                                 aten.sigmoid.default, wait]
     assert waits[2].args[0].args[1] == 1  # the mean, not the variance no one reads
-    assert all(w.prev is w.args[0] for w in waits)  # just after what it pins
+    assert all(w.prev is w.args[0] for w in waits[:4])  # just after what it pins
+    # the rebuilt ``sin`` comes right after the backward's product (loops): it reads a buffer through a wait,
+    # which begins a function of its own
+    assert waits[4].args[0] is waits[0] and [u.target for u in waits[4].users] == [aten.sin.default]
+    assert waits[4].next.target is aten.sin.default
     assert [u.target for u in waits[0].args[0].users] == [wait]  # every later reader reads the pinned value
-    assert {u.target for u in waits[0].users} == {aten.sigmoid.default, aten.mul.Tensor, aten.sin.default}
+    assert {u.target for u in waits[0].users} == {aten.sigmoid.default, aten.mul.Tensor, wait}
     torch.testing.assert_close(gm(*args), step(*args))
     plain = make_fx(step)(*args)
     assert recomputations_end_their_functions(plain) == 0
