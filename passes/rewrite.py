@@ -113,10 +113,25 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
     # In the order they run, so that a recompute reading what an earlier one rebuilt reads the rebuilt copy, as
     # the plan says; reading the original kept the forward's tensor alive until then.
     position = {n: i for i, n in enumerate(graph.nodes)}
+    gaps: dict[str, list[int]] = {}  # a tensor rebuilt more than once → where each rebuild's readers start
+    for d in plan.decisions:
+        if isinstance(d, Recompute):
+            for t in d.tensors:
+                gaps.setdefault(t, []).append(position[nodes[d.reload_before]])
+
+    def served(t: str, d: Recompute) -> list[fx.Node]:
+        """The backward readers of ``t`` that ``d``'s rebuild serves: up to the next rebuild of ``t``, from
+        ``d``'s own ``reload_before`` when an earlier rebuild serves the readers before it."""
+        starts = sorted(gaps[t])
+        at = position[nodes[d.reload_before]]
+        later = [p for p in starts if p > at]
+        low = at if starts[0] < at else -1
+        return [r for r in backward_readers(t) if low <= position[r] < (later[0] if later else len(position))]
+
     chains = []
     for i, d in enumerate(plan.decisions):
         if isinstance(d, Recompute):
-            readers = [r for t in d.tensors for r in backward_readers(t)]
+            readers = [r for t in d.tensors for r in served(t, d)]
             if readers:
                 anchor = first_in_graph(readers + [nodes[d.reload_before]])
                 chains.append((position[anchor], i, d, readers, anchor))

@@ -146,3 +146,41 @@ def test_a_recompute_reads_what_an_earlier_recompute_rebuilt():
     assert rebuilt["tanh"] in rebuilt["addmm_1"].args
     measured = measure_step(dataclasses.replace(prep.step, joint=joint), model, (x,), {})
     assert measured.peak_bytes == plan.peak_bytes
+
+
+def test_a_tensor_rebuilt_twice_serves_each_reader_from_the_rebuild_before_it():
+    """A plan that rebuilds ``a`` for the backward's first reader, drops it, and rebuilds it again for the later
+    ones (two gaps, as general rematerialization plans them), while ``b`` is rebuilt in between from ``a``:
+    each rebuild serves the readers up to the next, ``b`` reads the first copy, and no rebuild is left unread.
+    Both rebuilds had served every reader (the second came out unread, or was dropped), so the first copy was
+    held across the gap the plan frees. The rewritten graph runs at the simulator's peak."""
+    import dataclasses
+
+    import karma_fx
+    from karma_fx.passes.rewrite import rewrite_joint
+    from karma_fx.plan import Recompute
+    from karma_fx.simulate import simulate
+
+    torch.manual_seed(0)
+    model, x = _ReadTwice(), torch.randn(256, 128)
+    prep = karma_fx.prepare(model, (x,), {}, device="h100")
+    decisions = (Recompute(tensors=("tanh",), ops=("addmm", "tanh"), reload_before="mul_2"),
+                 Recompute(tensors=("tanh",), ops=("addmm", "tanh"), reload_before="mm_3"),
+                 Recompute(tensors=("sigmoid",), ops=("addmm_1", "sigmoid"), reload_before="mm_1"))
+    plan = dataclasses.replace(prep.plan(budget=1.0).plan, decisions=decisions,
+                               peak_bytes=simulate(prep.problem, decisions, prep.costs).peak_bytes)
+    joint, _ = rewrite_joint(prep.step, prep.problem, plan)
+    nodes = {n.name: n for n in joint.graph.nodes}
+    copies = [n for n in joint.graph.nodes if n.meta.get("karma", {}).get("recompute_of") == "tanh"]
+    assert len(copies) == 2 and all(n.users for n in joint.graph.nodes if "recompute_of" in n.meta.get("karma", {}))
+    first, second = copies
+    sigmoid_from = next(n for n in joint.graph.nodes if n.meta.get("karma", {}).get("recompute_of") == "addmm_1")
+    assert first in sigmoid_from.args and first in nodes["mul_2"].args
+    def base(node):
+        while node.target is torch.ops.aten.detach.default:
+            node = node.args[0]
+        return node
+
+    assert second in nodes["mm_3"].args and second in map(base, nodes["tanh_backward"].all_input_nodes)
+    measured = measure_step(dataclasses.replace(prep.step, joint=joint), model, (x,), {})
+    assert measured.peak_bytes == plan.peak_bytes
