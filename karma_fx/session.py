@@ -811,9 +811,7 @@ def storage_of(t: torch.Tensor) -> tuple[int, int]:
     moment before) and size; for
     a distributed tensor (FSDP2 shards parameters into ``DTensor``s) its local shard's, the rank's own; for a
     tensor subclass without storage of its own, its elements', keyed by the tensor object."""
-    local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
-    if isinstance(local, torch.Tensor):
-        t = local
+    t = _this_ranks(t)
     try:
         s = t.untyped_storage()
         return s._cdata, s.nbytes()
@@ -824,13 +822,16 @@ def storage_of(t: torch.Tensor) -> tuple[int, int]:
 def _weak_storage(t: torch.Tensor) -> Any:
     """A weak reference to ``t``'s storage, the one ``storage_of`` names (``None`` for a tensor subclass without
     one of its own)."""
-    local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
-    if isinstance(local, torch.Tensor):
-        t = local
     try:
-        return StorageWeakRef(t.untyped_storage())
+        return StorageWeakRef(_this_ranks(t).untyped_storage())
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _this_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a distributed tensor (``DTensor``) this rank's shard of it: what this process holds."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def _gone(ref: Any) -> bool:

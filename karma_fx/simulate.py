@@ -101,14 +101,15 @@ class _Static:
                  "read_in_backward")
 
     def __init__(self, problem: Problem) -> None:
+        self.inputs = [op.inputs for op in problem.ops]
         self.in_loops = [op.name in problem.loop_ops for op in problem.ops] if problem.loop_ops else None
         nf = problem.num_fwd_ops
-        self.read_in_backward = {s.name for s in problem.storages if s.users and s.users[-1] >= nf}
+        self.read_in_backward = ({s.name for s in problem.storages if s.users and s.users[-1] >= nf}
+                                 if problem.loop_ops else set())
         held = problem.held_by_runs
         # what an op reads when a recompute chain runs it: its functions hold the rest (``_held_by_functions``)
-        self.chain_inputs = [tuple(s for s in op.inputs if (op.name, s) not in held) if held else op.inputs
-                             for op in problem.ops]
-        self.inputs = [op.inputs for op in problem.ops]
+        self.chain_inputs = [tuple(s for s in op.inputs if (op.name, s) not in held)
+                             for op in problem.ops] if held else self.inputs
         self.outputs = [op.outputs for op in problem.ops]
         self.size_of = {st.name: st.size_bytes for st in problem.storages}
         self.lives = {st.name for st in problem.storages if st.lives_to_end}

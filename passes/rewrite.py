@@ -36,6 +36,10 @@ from karma_fx.problem import Problem
 from karma_fx.split_ops import SPLIT_OPS
 
 
+_KARMA_OPS = (torch.ops.karma.offload.default, torch.ops.karma.prefetch.default, torch.ops.karma.wait.default)
+"""Extern kernels whose result (an alias, to Inductor a view) is a buffer already."""
+
+
 def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.GraphModule, set[str]]:
     """A copy of ``step.joint`` doing what ``plan`` says, and the names of the nodes that must run in the
     forward (the offloads and buffer snapshots), for the partitioner."""
@@ -207,9 +211,8 @@ def _record_traced_inputs(graph: fx.Graph) -> None:
     (``inductor_realize_to_strides``: once, not as a second copy for the offload), and each inserted node
     carries its inputs' traced values (``eager_input_vals``), without which Inductor leaves a custom op's
     inputs inserted by a pass free of any layout constraint."""
-    karma_ops = _KARMA_OPS
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in karma_ops:
+        if node.op != "call_function" or node.target not in _KARMA_OPS:
             continue
         if node.target is torch.ops.karma.offload.default and isinstance(node.args[0], fx.Node):
             node.args[0].meta["inductor_realize_to_strides"] = True
@@ -473,10 +476,7 @@ def computed_where_planned(gm: fx.GraphModule) -> int:
         i = bisect.bisect_right(boundaries, position[node])
         if i == len(boundaries) or boundaries[i] > first:
             continue
-        with graph.inserting_after(node):
-            computed = graph.call_function(torch.ops.karma.wait.default, (node,))
-        computed.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
-        node.replace_all_uses_with(computed, delete_user_cb=lambda user: user is not computed)
+        _read_through_a_wait(graph, node)
         pinned += 1
     if pinned:
         graph.lint()
@@ -516,10 +516,7 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
             u for u in node.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
         rebuilt.extend(v for v in values if _read_past_its_recomputation(v))
     for node in rebuilt:
-        with graph.inserting_after(node):
-            waited = graph.call_function(torch.ops.karma.wait.default, (node,))
-        waited.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
-        node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not waited)
+        _read_through_a_wait(graph, node)
     begun = 0
     for node in starts:  # a recomputation after loops begins a function: it reads a buffer through a wait
         read = next((a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
@@ -528,9 +525,7 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
         if read is None:
             continue
         with graph.inserting_before(node):
-            waited = graph.call_function(torch.ops.karma.wait.default, (read,))
-        waited.meta.update({k: v for k, v in read.meta.items() if k in ("val", "tensor_meta")})
-        node.replace_input_with(read, waited)
+            node.replace_input_with(read, _wait_for(graph, read))
         begun += 1
     if rebuilt or begun:
         graph.lint()
@@ -538,8 +533,19 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
     return len(rebuilt) + begun
 
 
-_KARMA_OPS = (torch.ops.karma.offload.default, torch.ops.karma.prefetch.default, torch.ops.karma.wait.default)
-"""Extern kernels whose result (an alias, to Inductor a view) is a buffer already."""
+def _wait_for(graph: fx.Graph, value: fx.Node) -> fx.Node:
+    """A ``karma.wait`` of ``value`` at the graph's insertion point: an identity Inductor runs as an extern kernel,
+    so a function of loops ends before it and ``value`` is stored."""
+    waited = graph.call_function(torch.ops.karma.wait.default, (value,))
+    waited.meta.update({k: v for k, v in value.meta.items() if k in ("val", "tensor_meta")})
+    return waited
+
+
+def _read_through_a_wait(graph: fx.Graph, node: fx.Node) -> None:
+    """Every reader of ``node`` reads it through a ``karma.wait`` placed just after it (``_wait_for``)."""
+    with graph.inserting_after(node):
+        waited = _wait_for(graph, node)
+    node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not waited)
 
 
 def _begins_after_loops(node: fx.Node) -> bool:
