@@ -412,6 +412,12 @@ def _karma_at(name: str, budget: Any, a: argparse.Namespace) -> tuple[nn.Module,
     return model, step, args, kwargs
 
 
+def _moves(plan: Any) -> str:
+    """A plan's moves for the table, with the loss head's chunk where the plan chunks it: which trace ran is
+    what most often differs between two runs of one cell (the traces are timed apart, so timing noise picks)."""
+    return f"{len(plan.decisions)}" + (f", head in {plan.loss_chunk}-token chunks" if plan.loss_chunk else "")
+
+
 def at_their_points(name: str, a: argparse.Namespace) -> str:
     """``--mode points``: PyTorch's Inductor step at each ratio, karma at its measured peak, timed interleaved."""
     from torch._functorch import config as functorch_config
@@ -441,7 +447,7 @@ def at_their_points(name: str, a: argparse.Namespace) -> str:
             with copy_mode(a.copies):
                 my_step()  # the copy engine as timed, settled
                 their_ms, my_ms = interleaved([their_step, my_step], a.rounds)
-            moves = len(mine.plan.decisions)
+            moves = _moves(mine.plan)
             rows.append([knob, f"{their_peak / MIB:.2f}", f"{their_ms:.1f}", f"{my_peak / MIB:.2f}", f"{my_ms:.1f}",
                          f"{my_ms / their_ms:.3f}", f"{my_peak / their_peak - 1:+.1%}", moves])
             print(f"  {name} {knob}: {rows[-1]}", flush=True)
@@ -459,7 +465,7 @@ def at_their_points(name: str, a: argparse.Namespace) -> str:
                     _settled(model, step, args, kwargs, a.settle)
                 peak = measure_step_peak(model, step, args, kwargs, output_to_loss).peak_bytes
                 floor = ["karma's lowest", "-", "-", f"{peak / MIB:.2f}", "-", "-",
-                         f"budget {named / MIB:.2f}", len(step.plan.decisions)]
+                         f"budget {named / MIB:.2f}", _moves(step.plan)]
             except InfeasibleBudgetError as again:
                 floor[3] = f"refused again at {named / MIB:.2f}: {again.min_budget_bytes / MIB:.2f}"
     out = [f"## {name} (Inductor both sides; karma's budget: PyTorch's measured peak at each point)", "",

@@ -285,9 +285,19 @@ def prepare(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = No
 
         twin = _prepare(model, args, kwargs, device, name, costs, compiler, None)
         if twin.loss_chunk:
-            prepared.twins = [twin] + [_prepare(model, args, kwargs, device, name, costs, compiler, chunk)
-                                       for chunk in chunk_sizes(twin.loss_chunk, twin.tokens)[1:]]
+            twins = [twin] + [_prepare(model, args, kwargs, device, name, costs, compiler, chunk)
+                              for chunk in chunk_sizes(twin.loss_chunk, twin.tokens)[1:]]
+            prepared.twins = [timed_as(t, prepared) for t in twins]
     return prepared
+
+
+def timed_as(twin: Prepared, base: Prepared) -> Prepared:
+    """``twin`` (the step traced with its loss head chunked) with the ops it shares with ``base`` timed as
+    there (``karma_fx.pricing.shared_op_times``), its unplanned step simulated again with them."""
+    from karma_fx.pricing import shared_op_times
+
+    costs = shared_op_times(base.problem, base.costs, twin.problem, twin.costs)
+    return replace(twin, costs=costs, keep=simulate(twin.problem, (), costs))
 
 
 def _prepare(model: nn.Module, args: Any, kwargs: Any, device: Any, name: str | None, costs: str | None,

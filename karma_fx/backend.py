@@ -189,7 +189,7 @@ class KarmaBackend:
         priced, not planned or compiled."""
         from torch._functorch.aot_autograd import aot_module_simplified
 
-        from karma_fx.api import Prepared
+        from karma_fx.api import Prepared, timed_as
         from karma_fx.passes.gradient_hooks import insert_gradient_hooks
         from karma_fx.passes.loss_head import ChunkedHead, set_aside
         from karma_fx.passes.partition import hand_over
@@ -243,6 +243,9 @@ class KarmaBackend:
             if only_price:
                 region.prepared = prepared
                 raise _Prepared
+            for twin in region.twins:  # traced first: what they share with this trace costs what it costs here
+                if twin.prepared is not None:
+                    twin.prepared = timed_as(twin.prepared, prepared)
             variant = session.decide(region, args, prepared)
             if variant.plan.loss_chunk != prepared.loss_chunk:  # a plan of the twin's trace: compile that one
                 chosen["other_trace"] = variant

@@ -15,6 +15,7 @@ import karma_fx
 from karma_fx.loss_ops import linear_cross_entropy
 from karma_fx.measure_run import AllocatorPeak
 from karma_fx.passes.capture import capture
+from karma_fx.simulate import simulate
 from karma_fx.passes.loss_head import default_chunk
 from karma_fx.plan import Plan
 
@@ -246,6 +247,69 @@ def test_the_planner_chunks_the_head_only_where_memory_needs_it():
     peak = _measured(tight, model)
     assert peak <= 0.5 * unplanned, (peak, unplanned)
     assert abs(peak - tight.predicted_peak_bytes) <= 0.01 * tight.predicted_peak_bytes
+
+
+def test_ops_a_chunked_trace_shares_with_the_step_cost_what_they_cost_there():
+    """``shared_op_times``: the ops of two traces are matched in order by what they compute and the sizes they
+    write, never by name (the chunked trace numbers its nodes otherwise) nor by what they read, and each matched
+    op of the second takes the first's time; an op only one trace has, or one writing other sizes, keeps its
+    own."""
+    from karma_fx.costs import Costs
+    from karma_fx.pricing import shared_op_times
+    from karma_fx.problem import Op, Problem, Storage
+
+    def problem(ops: list[tuple[str, str, int]]) -> Problem:  # a chain of (name, target, output bytes)
+        built = tuple(Op(n, t, "fwd", (ops[k - 1][0],) if k else ("x",), (n,)) for k, (n, t, _) in enumerate(ops))
+        storages = (Storage("x", 64, "input", None, (0,)),) + tuple(
+            Storage(n, b, "temp", k, (k + 1,) if k + 1 < len(ops) else (), is_output=k + 1 == len(ops))
+            for k, (n, _, b) in enumerate(ops))
+        return Problem(ops=built, storages=storages, num_fwd_ops=len(ops))
+
+    def costs(times: tuple[float, ...]) -> Costs:
+        return Costs(op_time_us=times, d2h_bytes_per_us=1.0, h2d_bytes_per_us=1.0, copy_latency_us=0.0, device="cpu")
+
+    base = problem([("a", "aten.mul.Tensor", 64), ("b", "aten.mm.default", 32), ("c", "aten.sum.default", 4)])
+    twin = problem([("a", "aten.mul.Tensor", 64), ("head", "karma.linear_ce.default", 16), ("b_1", "aten.mm.default", 32),
+                    ("c", "aten.sum.default", 8)])
+    timed = shared_op_times(base, costs((1.0, 2.0, 3.0)), twin, costs((10.0, 20.0, 30.0, 40.0)))
+    assert timed.op_time_us == (1.0, 20.0, 2.0, 40.0)  # the mm renamed (reading other sizes) matched
+    middle = problem([("a", "aten.mul.Tensor", 64), ("e", "aten.exp.default", 64), ("b", "aten.mm.default", 32),
+                      ("c", "aten.sum.default", 4)])
+    timed = shared_op_times(base, costs((1.0, 2.0, 3.0)), middle, costs((10.0, 20.0, 30.0, 40.0)))
+    assert timed.op_time_us == (1.0, 20.0, 2.0, 3.0)  # the common start and end, around an op only it has
+
+
+@pytest.mark.parametrize("door,compiler", [("prepare", "eager"), ("compile", "eager"), ("compile", "inductor")])
+def test_a_chunked_trace_is_timed_as_the_step_where_they_agree(door, compiler):
+    """Measured op times of the step and of its chunked twins agree wherever the traces compute the same
+    thing, through both doors (``karma_fx.prepare(loss_chunk=None)`` and ``karma_fx.compile``): the faster plan
+    of the two is chosen on what differs, the head, not on two timings of the same ops."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    if door == "prepare":
+        base = karma_fx.prepare(model, _batch(0), compiler=compiler, costs="measured", loss_chunk=None)
+        twins = base.twins
+    else:
+        step = karma_fx.compile(model, budget=1.0, compiler=compiler, costs="measured")
+        model.zero_grad(set_to_none=True)
+        step(*_batch(0)).backward()
+        region = step.regions[0]
+        base, twins = region.prepared, [t.prepared for t in region.twins]
+    assert twins
+    for twin in twins:
+        # what an op computes and the sizes it writes (under Inductor a result the chunked head reads is stored)
+        def writes(prepared, op):
+            return op.target, [prepared.problem.storage(n).size_bytes for n in op.outputs
+                               if not n.endswith(":scratch")]
+
+        same = next(k for k, (a, b) in enumerate(zip(base.problem.ops, twin.problem.ops))
+                    if writes(base, a) != writes(twin, b))
+        assert same >= 3  # the ops before the head: the same in both traces, timed once
+        assert twin.costs.op_time_us[:same] == base.costs.op_time_us[:same]
+        base_mms = [t for op, t in zip(base.problem.ops, base.costs.op_time_us) if op.target == "aten.mm.default"]
+        twin_mms = [t for op, t in zip(twin.problem.ops, twin.costs.op_time_us) if op.target == "aten.mm.default"]
+        assert twin_mms[-2:] == base_mms[-2:]  # the layer's backward matmuls, after the head
+        assert twin.keep.makespan_us == simulate(twin.problem, (), twin.costs).makespan_us  # timed with them
 
 
 def test_plan_chooses_the_head_as_compile_does():
