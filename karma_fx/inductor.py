@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -243,11 +244,12 @@ class PlanOrder:
     peak) peaked 3.8% above its plan, past the budget; with the rule, +0.2%, and -4.5% once offloaded values
     kept their traced layout (``passes/rewrite.py``; ``bench/inductor_overhead.py``).
     It also bounds each kernel by a run of loop ops, as ``karma_fx.fusion.outputs_held_through_runs`` counts
-    it. Every other choice is ``inner``'s."""
+    it. The waits that end a recompute chain run with backward loops (``karma_fx.joins``) are no anchors: the
+    chain and its joined loops may fuse across them. Every other choice is ``inner``'s."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        self._anchors: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+        self._anchors: "weakref.WeakKeyDictionary[Any, tuple[list[int], list[int]]]" = weakref.WeakKeyDictionary()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -259,17 +261,53 @@ class PlanOrder:
 
     def crosses_extern(self, scheduler: Any, node1: Any, node2: Any) -> bool:
         """Whether an extern kernel's place in the scheduler's original order lies strictly between the
-        earliest and the latest of the two nodes' members (extern kernels never fuse, so their places stay)."""
-        anchors = self._anchors.get(scheduler)
-        if anchors is None:  # once per graph: this is asked for every candidate pair of a fusion round
+        earliest and the latest of the two nodes' members (extern kernels never fuse, so their places stay);
+        the waits ending a joined run (``_ends_a_joined_run``) count only for a node not of that run."""
+        found = self._anchors.get(scheduler)
+        if found is None:  # once per graph: this is asked for every candidate pair of a fusion round
             from torch._inductor.scheduler import ExternKernelSchedulerNode
 
-            anchors = sorted(n.min_order for n in scheduler.nodes if isinstance(n, ExternKernelSchedulerNode))
-            self._anchors[scheduler] = anchors
+            externs = [n for n in scheduler.nodes if isinstance(n, ExternKernelSchedulerNode)]
+            found = (sorted(n.min_order for n in externs if not _ends_a_joined_run(n)),
+                     sorted(n.min_order for n in externs if _ends_a_joined_run(n)))
+            self._anchors[scheduler] = found
+        anchors, joined = found
         low = min(node1.min_order, node2.min_order)
         high = max(node1.max_order, node2.max_order)
-        i = bisect.bisect_right(anchors, low)
-        return i < len(anchors) and anchors[i] < high
+        if _any_between(anchors, low, high):
+            return True
+        return _any_between(joined, low, high) and not (_joined_run(node1) is not None
+                                                         and _joined_run(node1) == _joined_run(node2))
+
+
+def _any_between(places: list[int], low: int, high: int) -> bool:
+    i = bisect.bisect_right(places, low)
+    return i < len(places) and places[i] < high
+
+
+def _joined_run(node: Any) -> int | None:
+    """The recompute chain whose joined run (``karma_fx.joins``) every op a scheduler node computes belongs to
+    (the ops of the graph Inductor lowered, views aside), or ``None``."""
+    from karma_fx.passes.rewrite import chain_of
+
+    runs = set()
+    members = node.get_nodes() if hasattr(node, "get_nodes") else [node]
+    for member in members:
+        for origin in getattr(getattr(member, "node", None), "origins", ()) or ():
+            if origin.target is operator.getitem or getattr(origin.target, "is_view", False):
+                continue
+            runs.add(chain_of(origin))
+    return runs.pop() if len(runs) == 1 else None
+
+
+def _ends_a_joined_run(node: Any) -> bool:
+    """Whether an extern scheduler node is a ``karma.wait`` pinning a value of a recompute chain run with the
+    backward loops that read what it reads (``passes.rewrite``, ``karma_fx.joins``): the run's loops may fuse
+    across it, computing their shared work once, and the plan counts the run as one function of loops."""
+    from karma_fx.passes.rewrite import JOINED_PIN
+
+    origins = getattr(getattr(node, "node", None), "origins", ()) or ()
+    return any(o.meta.get(JOINED_PIN) for o in origins)
 
 
 PLANNED_CONFIG: dict[str, Any] = {"allow_buffer_reuse": False, "layout_optimization": False}

@@ -30,13 +30,14 @@ class PlanValueError(PlanFormatError, InvalidPlanError):
     invalid plan (``InvalidPlanError``), so either ``except`` catches it."""
 
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """2 added the weights-out-of-core decisions (``stream_weight``, ``grad_to_host``); 3 the wait of a gradient's
 copy (``grad_to_host.release_before``) and streams of a weight's bf16 cast or a gradient sent narrow
 (``karma_fx.wire``), which a version 2 reader would misread; 4 kernels split along the batch (``splits``),
 which a version 3 reader would ignore and so run over the plan's peak; 5 offloads of tensors the backward
-makes (``leanest.backward_swaps``), which a version 4 rewrite cannot place."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+makes (``leanest.backward_swaps``), which a version 4 rewrite cannot place; 6 backward loops joined to a recompute
+chain (``Recompute.joins``), whose replay a version 5 simulator would count elsewhere."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 """Plans of earlier versions are still valid plans of this one, with the same meaning."""
 OPTIMAL_TOLERANCE = 1e-3
 """A step within this fraction of its proven lower bound is shown as plainly OPTIMAL (``Plan.shown_status``)."""
@@ -68,6 +69,9 @@ class Recompute:
     ops: tuple[str, ...]
     """Op names re-executed in order; their inputs must be resident, or made earlier in the same chain."""
     reload_before: str
+    joins: tuple[str, ...] = ()
+    """Backward loop ops that run with the chain, moved from after ``reload_before`` to just after the chain so
+    that Inductor fuses them with it (``karma_fx.joins``); empty op by op."""
 
 
 @dataclass(frozen=True)
@@ -331,7 +335,8 @@ _KINDS = {"offload": "Offload", "recompute": "Recompute", "stream_weight": "Stre
 
 
 def _decision_to_dict(d: Decision) -> dict[str, Any]:
-    body = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(d).items()}
+    body = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(d).items()
+            if not (k == "joins" and not v)}  # a plan without joins reads as it did before they existed
     kind = next(k for k, cls in _KINDS.items() if cls == type(d).__name__)
     return {"kind": kind, **body}
 

@@ -34,6 +34,7 @@ from typing import Iterable, Iterator
 
 from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
+from karma_fx.joins import joined_ops
 from karma_fx.plan import Decision, GradToHost, Offload, Plan, Recompute, ScheduleRow, StreamWeight
 from karma_fx.problem import Problem
 from karma_fx.split import split_problem
@@ -293,6 +294,13 @@ def _check_decisions(problem: Problem, decisions: tuple[Decision, ...]) -> None:
                     raise InvalidPlanError(f"{t} cannot be dropped and rebuilt by recomputing {list(d.ops)}: "
                                            + ("it is an input or output of the step" if st.producer is None
                                               or st.lives_to_end else "none of those ops makes it"))
+            if d.joins:
+                allowed = set(joined_ops(problem, d, decisions))
+                stray = [name for name in d.joins if name not in allowed]
+                if stray:
+                    raise InvalidPlanError(f"{stray[0]} cannot run with the recompute before {d.reload_before}: "
+                                           "only backward loop ops that read what it reads, and nothing made from "
+                                           "there on, join it (on the step Inductor runs)")
 
 
 # ---- 1. the compute sequence: recompute chains just before the op they serve ----------------------------
@@ -463,6 +471,8 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
     grads_out = {d.tensor for d in decisions if isinstance(d, GradToHost)}
     chain_reads: list[tuple[int, int]] = []  # (item, instance) a recompute chain's ops read or write
     chain_ends: set[int] = set()  # items of the chain that rebuild one of its tensors
+    early_alloc: dict[int, int] = {}  # a chain's joined op → the item where its function starts
+    held_until: dict[int, int] = {}  # instance a joined function reads or writes → its last joined item
     # Instances: parallel lists. ``last`` is the last item reading the instance, or its allocation when none
     # does (reads come in item order, so the latest read is the last one).
     i_name: list[str] = []
@@ -537,7 +547,7 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
             for sname in outputs[op]:
                 i_name.append(sname)
                 i_size.append(size_of[sname])
-                i_alloc.append(k)
+                i_alloc.append(early_alloc.get(op, k))  # a joined op's function allocates it at its start
                 i_last.append(k)
                 inst = len(i_name) - 1
                 if sname in grads_out:
@@ -578,11 +588,28 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
                     raise InvalidPlanError(f"{sname} is recomputed before {r.reload_before} while still on the device")
                 current[sname] = inst
         if k + 1 == n_items or item_rc[k + 1] is not r:
+            joined_until = -1
             if in_loops is not None:
+                if r.joins:  # one function from the chain's last loops to its last joined op
+                    start = k
+                    while start > 0 and item_rc[start - 1] is r and in_loops[item_op[start - 1]]:
+                        start -= 1
+                    joined = [_op_at(problem, name, "recompute joins") for name in r.joins]
+                    joined_until = max(op_item[j] for j in joined)
+                    for j in joined:
+                        early_alloc[j] = start
+                    for t, inst in chain_reads:
+                        if t >= start:
+                            held_until[inst] = max(held_until.get(inst, -1), joined_until)
+                    chain_ends = set()
                 _held_by_functions(chain_reads, chain_ends | {k}, item_op, in_loops, i_last)
             for sname, inst in made.items():  # chain temporaries die with the chain
                 if sname not in r.tensors:
-                    i_end[inst] = i_last[inst]
+                    i_end[inst] = max(i_last[inst], held_until.get(inst, -1))
+    for inst, until in held_until.items():  # what a joined function reads or writes lives until it returns
+        i_last[inst] = max(i_last[inst], until)
+        if 0 <= i_end[inst] < until:
+            i_end[inst] = until
     lives = static.lives
     for sname, inst in current.items():
         if inst is not None:

@@ -140,7 +140,8 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
                 anchor = first_in_graph(readers + [nodes[d.reload_before]])
                 chains.append((position[anchor], i, d, readers, anchor))
     rebuilt_before: dict[fx.Node, fx.Node] = {}  # a tensor earlier recomputes rebuilt → its latest copy
-    for _, _, d, readers, anchor in sorted(chains, key=lambda c: c[:2]):
+    joined: list[tuple[fx.Node, tuple[str, ...], int]] = []  # a chain's last node, the ops joining it, its id
+    for _, chain_id, d, readers, anchor in sorted(chains, key=lambda c: c[:2]):
         # A recompute reading an offloaded tensor (a dropout output rebuilt from its swapped-out mask)
         # reads the reload, as the plan says; the original would stay on the device all along.
         replaced: dict[fx.Node, fx.Node] = {**reloaded, **rebuilt_before}
@@ -153,9 +154,10 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
                 clone = graph.node_copy(original, lambda a: stand_ins.get(a) or snapshot(a) if a in buffers
                                         else _materialize(graph, a, replaced, op_names))
                 clone.meta["partitioner_tag"] = "is_backward"
-                clone.meta["karma"] = {"recompute_of": name}
+                clone.meta["karma"] = {"recompute_of": name, "chain": chain_id}
                 replaced[original] = clone
                 _unpack_now(graph, original, clone, replaced)
+        chain_end = anchor.prev
         # Readers take the copies of what the plan rebuilds, nothing else: a rebuilt op's other outputs
         # (a batch norm's new running statistics) are still resident, and reading their copies would keep
         # bytes alive that the plan never counted.
@@ -163,6 +165,10 @@ def rewrite_joint(step: CapturedStep, problem: Problem, plan: Plan) -> tuple[fx.
         copies = {o: c for o, c in replaced.items() if storage_of.get(o.name) in rebuilt}
         _redirect(graph, readers, copies, op_names)
         rebuilt_before.update(copies)
+        if d.joins:
+            joined.append((chain_end, d.joins, chain_id))
+    for last, names, chain_id in joined:
+        _join(last, [nodes[name] for name in names], chain_id)
     for d in plan.decisions:
         if isinstance(d, StreamWeight) and nodes[d.tensor].op != "placeholder":
             _host_cast(nodes[d.tensor], storage_of, {s.name for s in problem.storages if s.kind == "param"})
@@ -427,6 +433,35 @@ def _lowered_at(reader: fx.Node) -> fx.Node:
     return reader
 
 
+_JOINED = "karma_joined"
+"""Meta key of a backward op moved to run with a recompute chain (``Recompute.joins``): the chain's id."""
+JOINED_PIN = "karma_joined_pin"
+"""Meta key of a ``karma.wait`` that ends a joined run: Inductor may fuse the run's loops across it
+(``karma_fx.inductor.PlanOrder``)."""
+
+
+def _join(last: fx.Node, ops: list[fx.Node], chain_id: int) -> None:
+    """Move ``ops`` (in graph order) to just after ``last``, a chain's last node, and mark them joined to it;
+    the views they read come along (``_stable_topological_order``)."""
+    at = last
+    for node in ops:
+        at.append(node)
+        node.meta[_JOINED] = chain_id
+        at = node
+
+
+def _joins(node: fx.Node) -> bool:
+    """A backward op the rewrite moved to run with a recompute chain."""
+    return _JOINED in node.meta
+
+
+def chain_of(node: fx.Node) -> int | None:
+    """The id of the recompute chain ``node`` rebuilds for or joins."""
+    if _joins(node):
+        return node.meta[_JOINED]
+    return node.meta.get("karma", {}).get("chain") if _recomputes(node) else None
+
+
 def _recomputes(node: fx.Node) -> bool:
     """A node the rewrite inserted to rebuild a tensor the plan recomputes."""
     return "recompute_of" in node.meta.get("karma", ())
@@ -470,7 +505,7 @@ def computed_where_planned(gm: fx.GraphModule) -> int:
         if node.op != "call_function" or not is_lazily_stored(node):
             continue
         readers = extern_readers(node)
-        if not readers:
+        if not readers or any(u.meta.get(JOINED_PIN) for u in node.users):  # stored where its joined run ends
             continue
         first = min(position[_lowered_at(r)] for r in readers)
         i = bisect.bisect_right(boundaries, position[node])
@@ -509,14 +544,24 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
     starts = [node for node in graph.nodes if _recomputes(node) and computes_in_loops(node)
               and _begins_after_loops(node)]
     rebuilt: list[fx.Node] = []
+    joined_runs: dict[fx.Node, list[fx.Node]] = {}  # a joined run's last node → the values it hands on
     for node in graph.nodes:
-        if not (_recomputes(node) and computes_in_loops(node)):
+        if not ((_recomputes(node) or _joins(node)) and computes_in_loops(node)):
             continue
         values = [node] if isinstance(node.meta.get("val"), torch.Tensor) else [
             u for u in node.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
-        rebuilt.extend(v for v in values if _read_past_its_recomputation(v))
+        values = [v for v in values if _read_past_its_recomputation(v)]
+        end = _joined_run_end(node)
+        if end is not None:
+            joined_runs.setdefault(end, []).extend(values)
+        elif not _joins(node):
+            rebuilt.extend(values)
     for node in rebuilt:
         _read_through_a_wait(graph, node)
+    for end, values in joined_runs.items():  # the whole run is one function: its values are pinned after it
+        for value in reversed(values):
+            _read_through_a_wait(graph, value, after=end, mark=True)
+        rebuilt.extend(values)
     begun = 0
     for node in starts:  # a recomputation after loops begins a function: it reads a buffer through a wait
         read = next((a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
@@ -541,11 +586,35 @@ def _wait_for(graph: fx.Graph, value: fx.Node) -> fx.Node:
     return waited
 
 
-def _read_through_a_wait(graph: fx.Graph, node: fx.Node) -> None:
-    """Every reader of ``node`` reads it through a ``karma.wait`` placed just after it (``_wait_for``)."""
-    with graph.inserting_after(node):
+def _read_through_a_wait(graph: fx.Graph, node: fx.Node, after: fx.Node | None = None, mark: bool = False) -> None:
+    """Every reader of ``node`` reads it through a ``karma.wait`` placed just after it (``_wait_for``), or
+    every reader past ``after``, with the wait just after that (``mark``: a joined run's, which
+    ``karma_fx.inductor.PlanOrder`` lets its loops fuse across)."""
+    after = after or node
+    with graph.inserting_after(after):
         waited = _wait_for(graph, node)
-    node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not waited)
+    if mark:
+        waited.meta[JOINED_PIN] = True
+    earlier = set()
+    at = node
+    while at is not after:
+        at = at.next
+        earlier.add(at)
+    node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not waited and user not in earlier)
+
+
+def _joined_run_end(node: fx.Node) -> fx.Node | None:
+    """The last joined op (``Recompute.joins``) in the run of recompute, joined and view nodes from ``node`` on;
+    ``None`` where the run has none."""
+    chain = chain_of(node)
+    if chain is None:
+        return None
+    end, at = None, node
+    while at.op == "call_function" and (chain_of(at) == chain or is_view(at) and at.target not in _KARMA_OPS):
+        if _joins(at):
+            end = at
+        at = at.next
+    return end
 
 
 def _begins_after_loops(node: fx.Node) -> bool:
@@ -567,7 +636,7 @@ def _read_past_its_recomputation(value: fx.Node) -> bool:
         seen.add(user)
         if is_view(user):
             stack.extend(user.users)
-        elif not _recomputes(user):
+        elif not (_recomputes(user) or _joins(user)):
             return True
     return False
 
