@@ -143,8 +143,9 @@ class Prepared:
         Inductor can fuse with it where the plan still fits (``karma_fx.joins``), and the simulator's verdict
         attached."""
         raw = raw.replace(decisions=wait_where_copies_land(self.problem, raw, self.costs))
-        raw = raw.replace(decisions=with_joins(self.problem, raw.decisions, raw.budget_bytes,
-                                               lambda ds: peak_and_makespan(self.problem, ds, self.costs)[0]))
+        raw = raw.replace(decisions=with_joins(  # replayed with the plan's kernel splits
+            self.problem, raw.decisions, raw.budget_bytes,
+            lambda ds: peak_and_makespan(self.problem, raw.replace(decisions=ds), self.costs)[0]))
         timeline = simulate(self.problem, raw, self.costs)
         keep, unplanned = self.keep, self.unplanned_peak_bytes
         # the plan that moves nothing runs as written (under Inductor, Inductor's own partition)

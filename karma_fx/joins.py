@@ -23,10 +23,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Iterable
 
+from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, GradToHost, Offload, Recompute, StreamWeight
-from karma_fx.problem import Problem
+from karma_fx.problem import Op, Problem
 
-__all__ = ["JOIN_ALLOWANCE", "joined_ops", "with_joins"]
+__all__ = ["JOIN_ALLOWANCE", "check_joins", "joined_ops", "with_joins"]
 
 
 _MATMULS = ("aten.mm.default", "aten.bmm.default")
@@ -70,10 +71,12 @@ def joined_ops(problem: Problem, chain: Recompute, decisions: Iterable[Decision]
     first by loops is followed by them already (``passes.rewrite`` ends its function before them, which the
     simulator counts). The ops looked at are the loop ops after the anchor up to the second extern kernel
     from the anchor on (the anchor, or where a matmul anchor runs as Inductor's ``addmm``, is the first). An op
-    joins when it is of the backward, neither random nor mutating, not named by any of ``decisions`` (a copy or
-    another chain is anchored there), reads no tensor another decision moves, and reads only what exists
-    before the anchor or is made by the chain or by an op already joined, at least one of them shared with
-    the chain or made by a joined op."""
+    joins when it is of the backward, neither random nor mutating, makes one tensor, is not named by any of
+    ``decisions`` (a copy or another chain is anchored there), reads no tensor another decision moves, and
+    reads only what exists before the anchor or is made by the chain or by an op already joined, at least one
+    of them shared with the chain or made by a joined op. And what it makes is stored, or read by joined ops
+    only: a value Inductor computes inside its readers (0 bytes, read by loops only) read past the run would
+    be pinned there, stored where the problem counts nothing."""
     loops = problem.loop_ops
     if not loops or chain.ops[-1] not in loops:
         return ()
@@ -83,11 +86,10 @@ def joined_ops(problem: Problem, chain: Recompute, decisions: Iterable[Decision]
     if a < problem.num_fwd_ops or anchor.name in loops and anchor.target not in _MATMULS:
         return ()
     named = _named_ops(decisions)
-    moved = _moved_tensors(decisions) - set(chain.tensors)
+    moved = _moved_tensors(d for d in decisions if d != chain)
     made = {s for name in chain.ops for s in problem.ops[problem.op_index(name)].outputs}
     shared = made | {s for name in chain.ops for s in problem.ops[problem.op_index(name)].inputs}
-    joined: list[str] = []
-    joined_out: set[str] = set()
+    candidates: list[int] = []
     externs = 0 if anchor.name in loops else 1  # a matmul run late as an ``addmm`` is among the loop ops
     for j in range(a + 1, len(problem.ops)):
         op = problem.ops[j]
@@ -96,18 +98,71 @@ def joined_ops(problem: Problem, chain: Recompute, decisions: Iterable[Decision]
             if externs == 2:
                 break
             continue
-        if op.random or op.mutates or op.name in named:
+        if not (op.random or op.mutates or op.name in named or len(op.outputs) != 1
+                or any(s in moved for s in _reads(problem, op))):
+            candidates.append(j)
+    banned: set[int] = set()
+    while True:
+        joined = _closure(problem, candidates, banned, a, made, shared)
+        names = {problem.ops[j].name for j in joined}
+        unstored = {j for j in joined for s in problem.ops[j].outputs if _inlined(problem, s)
+                    and any(problem.ops[u].name not in names for u in problem.storage(s).users)}
+        if not unstored:
+            return tuple(problem.ops[j].name for j in joined)
+        banned |= unstored
+
+
+def _inlined(problem: Problem, name: str) -> bool:
+    """Whether a storage is one Inductor computes inside its readers: 0 bytes, and only loop ops read it (a
+    0-byte storage an extern kernel reads is stored, written over a buffer it outlives)."""
+    s = problem.storage(name)
+    return s.size_bytes == 0 and all(problem.ops[u].name in problem.loop_ops for u in s.users)
+
+
+def _reads(problem: Problem, op: Op) -> tuple[str, ...]:
+    """What ``op`` reads for its value: a run's outputs its last op reads only to hold them are left out."""
+    return tuple(s for s in op.inputs if (op.name, s) not in problem.held_by_runs)
+
+
+def _closure(problem: Problem, candidates: list[int], banned: set[int], a: int, made: set[str],
+             shared: set[str]) -> list[int]:
+    """The candidates (op indices after the anchor ``a``, in order) that join, ``banned`` left out: each reads
+    only what exists before ``a``, what the chain makes, or what a joined op makes, and shares something."""
+    joined: list[int] = []
+    joined_out: set[str] = set()
+    for j in candidates:
+        if j in banned:
             continue
-        # what it reads for its value: a run's outputs read by its last op only to hold them are not waited on
-        reads = tuple(s for s in op.inputs if (op.name, s) not in problem.held_by_runs)
-        if any(s in moved for s in reads):
-            continue
+        reads = _reads(problem, problem.ops[j])
         ready = all(s in made or s in joined_out or (maker := problem.storage(s).producer) is None or maker < a
                     for s in reads)
         if ready and any(s in shared or s in joined_out for s in reads):
-            joined.append(op.name)
-            joined_out.update(op.outputs)
-    return tuple(joined)
+            joined.append(j)
+            joined_out.update(problem.ops[j].outputs)
+    return joined
+
+
+def check_joins(problem: Problem, decisions: tuple[Decision, ...]) -> None:
+    """Refuse joins a plan may not have: an op that may not join its chain (``joined_ops``), one whose inputs
+    are made after the anchor by an op not in the same joins, or one in two chains' joins."""
+    seen: set[str] = set()
+    for d in decisions:
+        if not isinstance(d, Recompute) or not d.joins:
+            continue
+        allowed = set(joined_ops(problem, d, decisions))
+        a = problem.op_index(d.reload_before)
+        ready = {s for name in d.ops for s in problem.ops[problem.op_index(name)].outputs}
+        for name in d.joins:
+            op = problem.ops[problem.op_index(name)] if name in allowed else None
+            if op is None or name in seen or not all(
+                    s in ready or (maker := problem.storage(s).producer) is None or maker < a
+                    for s in _reads(problem, op)):
+                raise InvalidPlanError(
+                    f"{name} cannot run with the recompute before {d.reload_before}: only backward loop ops that "
+                    "read what it reads, and nothing made from there on but by the ops joined with it, join it, "
+                    "each to one chain (on the step Inductor runs)")
+            seen.add(name)
+            ready.update(op.outputs)
 
 
 JOIN_ALLOWANCE = 0.01
@@ -117,7 +172,7 @@ ending the run splits it where its loops did not fuse), which hold less. A 2-lay
 its joins taken while within the budget, was predicted at 15.8 MB and measured 13.5."""
 
 
-MAX_TRIES = 32
+MAX_TRIES = 12
 """Replays ``with_joins`` spends at most on one plan (a GPT's plan may rebuild a chain per layer)."""
 
 

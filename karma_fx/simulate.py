@@ -34,7 +34,7 @@ from typing import Iterable, Iterator
 
 from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
-from karma_fx.joins import joined_ops
+from karma_fx.joins import check_joins
 from karma_fx.plan import Decision, GradToHost, Offload, Plan, Recompute, ScheduleRow, StreamWeight
 from karma_fx.problem import Problem
 from karma_fx.split import split_problem
@@ -294,13 +294,8 @@ def _check_decisions(problem: Problem, decisions: tuple[Decision, ...]) -> None:
                     raise InvalidPlanError(f"{t} cannot be dropped and rebuilt by recomputing {list(d.ops)}: "
                                            + ("it is an input or output of the step" if st.producer is None
                                               or st.lives_to_end else "none of those ops makes it"))
-            if d.joins:
-                allowed = set(joined_ops(problem, d, decisions))
-                stray = [name for name in d.joins if name not in allowed]
-                if stray:
-                    raise InvalidPlanError(f"{stray[0]} cannot run with the recompute before {d.reload_before}: "
-                                           "only backward loop ops that read what it reads, and nothing made from "
-                                           "there on, join it (on the step Inductor runs)")
+    if any(isinstance(d, Recompute) and d.joins for d in decisions):
+        check_joins(problem, decisions)
 
 
 # ---- 1. the compute sequence: recompute chains just before the op they serve ----------------------------
@@ -601,7 +596,7 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
                     for t, inst in chain_reads:
                         if t >= start:
                             held_until[inst] = max(held_until.get(inst, -1), joined_until)
-                    chain_ends = set()
+                    chain_ends = {t for t in chain_ends if t < start}  # pinned after the run instead
                 _held_by_functions(chain_reads, chain_ends | {k}, item_op, in_loops, i_last)
             for sname, inst in made.items():  # chain temporaries die with the chain
                 if sname not in r.tensors:

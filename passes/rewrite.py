@@ -587,25 +587,43 @@ def _wait_for(graph: fx.Graph, value: fx.Node) -> fx.Node:
 
 
 def _read_through_a_wait(graph: fx.Graph, node: fx.Node, after: fx.Node | None = None, mark: bool = False) -> None:
-    """Every reader of ``node`` reads it through a ``karma.wait`` placed just after it (``_wait_for``), or
-    every reader past ``after``, with the wait just after that (``mark``: a joined run's, which
-    ``karma_fx.inductor.PlanOrder`` lets its loops fuse across)."""
-    after = after or node
-    with graph.inserting_after(after):
+    """Every reader of ``node`` reads it through a ``karma.wait`` placed just after it (``_wait_for``), or, given
+    ``after`` (a joined run's last op), every reader past the run, with the wait just after ``after`` (``mark``:
+    a wait ``karma_fx.inductor.PlanOrder`` lets the run's loops fuse across). A view inside the run that readers
+    past it read too is made again after the wait, from the waited value, for them."""
+    with graph.inserting_after(after or node):
         waited = _wait_for(graph, node)
     if mark:
         waited.meta[JOINED_PIN] = True
-    earlier = set()
-    at = node
+    if after is None:
+        node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not waited)
+        return
+    inside, at = set(), node
     while at is not after:
         at = at.next
-        earlier.add(at)
-    node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not waited and user not in earlier)
+        inside.add(at)
+    _read_past(graph, node, waited, inside)
+
+
+def _read_past(graph: fx.Graph, value: fx.Node, replacement: fx.Node, inside: set[fx.Node]) -> None:
+    """Readers of ``value`` outside ``inside`` (a run) read ``replacement`` instead; a view of ``value`` inside the
+    run is replicated from ``replacement`` for its readers outside it."""
+    for user in list(value.users):
+        if user is replacement:
+            continue
+        if user not in inside:
+            user.replace_input_with(value, replacement)
+        elif is_view(user) and any(u not in inside for u in user.users):
+            with graph.inserting_after(replacement):
+                replica = graph.node_copy(user, lambda a: replacement if a is value else a)
+            _read_past(graph, user, replica, inside)
+            if not user.users:
+                graph.erase_node(user)
 
 
 def _joined_run_end(node: fx.Node) -> fx.Node | None:
-    """The last joined op (``Recompute.joins``) in the run of recompute, joined and view nodes from ``node`` on;
-    ``None`` where the run has none."""
+    """The last joined op (``Recompute.joins``) in the run of ``node``'s chain, its joins and views from ``node``
+    on; ``None`` where the run has none, or where an extern kernel of the chain comes first."""
     chain = chain_of(node)
     if chain is None:
         return None
@@ -613,6 +631,8 @@ def _joined_run_end(node: fx.Node) -> fx.Node | None:
     while at.op == "call_function" and (chain_of(at) == chain or is_view(at) and at.target not in _KARMA_OPS):
         if _joins(at):
             end = at
+        elif not (is_view(at) or computes_in_loops(at)):  # the chain's own extern kernel ends the stretch:
+            return None  # ``node`` is computed before the stretch the joins run with, and pinned there
         at = at.next
     return end
 

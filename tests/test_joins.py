@@ -62,6 +62,18 @@ def test_the_loops_reading_what_the_chain_reads_join_it_and_nothing_made_past_th
     assert joined_ops(p, REBUILD, (REBUILD, anchored)) == ()  # g_d is named by the copy (and reads what it moves)
     assert joined_ops(p, Recompute(tensors=("m", "a"), ops=("f_mm", "f_g"), reload_before="g_w")) == ("g_d",)
     assert joined_ops(p, Recompute(tensors=("m",), ops=("f_mm",), reload_before="g_d")) == ()
+    # a value Inductor computes inside its readers (0 bytes, loops read it) read past the run would be stored
+    # there: not joined. Here ``dm`` is read by ``g_s`` only, which cannot join (it reads ``gw``)
+    reads = {"g_s": ("gw", "dm"), "g_x": ("da", "w")}
+    users = {"dm": (6,), "da": (5, 7)}
+    inlined = replace(p, ops=tuple(replace(op, inputs=reads.get(op.name, op.inputs)) for op in p.ops),
+                      storages=tuple(replace(s, size_bytes=0 if s.name == "dm" else s.size_bytes,
+                                             users=users.get(s.name, s.users)) for s in p.storages),
+                      _index={}, _op_index={})
+    assert joined_ops(inlined, REBUILD) == ()
+    stored = replace(inlined, storages=tuple(replace(s, size_bytes=4 * MB) if s.name == "dm" else s
+                                             for s in inlined.storages), _index={}, _op_index={})
+    assert joined_ops(stored, REBUILD) == ("g_d",)
 
 
 def test_a_joined_run_is_one_function_from_the_chain_to_its_last_joined_op():
@@ -102,10 +114,21 @@ def test_a_plan_takes_the_joins_that_fit_and_keeps_its_peak_within_a_percent():
 
 def test_a_plan_carries_its_joins_and_a_stray_join_is_refused():
     """Joins survive the plan's JSON; a plan without them reads as it did before they existed; a join that may
-    not run with its chain (it reads the anchor's output) is refused by the simulator, with the reason."""
+    not run with its chain (it reads the anchor's output, or a joinable op's output without that op joined) is
+    refused by the simulator, with the reason."""
     joined = Plan(strategy="cpsat", budget_bytes=MB, decisions=(replace(REBUILD, joins=("g_d",)),))
     assert Plan.from_json(joined.to_json()) == joined
     assert "joins" not in Plan(strategy="cpsat", budget_bytes=MB, decisions=(REBUILD,)).to_json()
     p = gelu_block()
     with pytest.raises(InvalidPlanError, match="g_s cannot run with the recompute before g_w"):
         simulate(p, [replace(REBUILD, joins=("g_s",))], flat_costs(p))
+    # an op reading a joined op's output joins only with it: alone it would pull that op up uncounted
+    ops = p.ops[:6] + (Op("g_e", "aten.mul.Tensor", "bwd", ("dm",), ("de",)),) + p.ops[6:]
+    storages = tuple(replace(s, users=tuple(u + (u >= 6) for u in s.users) + ((6,) if s.name == "dm" else ()),
+                             producer=s.producer + (s.producer >= 6) if s.producer is not None else None)
+                     for s in p.storages) + (Storage("de", MB, "gradient", 6, (), is_output=True),)
+    chained = replace(p, ops=ops, storages=storages, loop_ops=p.loop_ops | {"g_e"}, _index={}, _op_index={})
+    assert joined_ops(chained, REBUILD) == ("g_d", "g_e")
+    simulate(chained, [replace(REBUILD, joins=("g_d", "g_e"))], flat_costs(chained))
+    with pytest.raises(InvalidPlanError, match="g_e cannot run with the recompute before g_w"):
+        simulate(chained, [replace(REBUILD, joins=("g_e",))], flat_costs(chained))
