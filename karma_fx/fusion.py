@@ -37,7 +37,8 @@ results of neighbouring loop ops into one kernel (an attention's softmax and its
 the random draws and the dropped-out probabilities, three S×S buffers written by one kernel), so none of
 them is freed before the last is written. ``loop_runs`` are the ops it may fuse, each run a stretch of loop ops
 between two extern kernels in one phase (``karma_fx.inductor.PlanOrder`` keeps Inductor from fusing across
-an extern kernel for a planned graph, so a kernel never spans more than a run); ``outputs_held_through_runs``
+an extern kernel for a planned graph, so a kernel never spans more than a run; a recompute chain joined by
+backward loops is one run by design, ``karma_fx.joins``); ``outputs_held_through_runs``
 keeps every buffer a run writes alive until the run's last op. A 4-layer d=512 GPT with dropout, on a CPU:
 checkpoint and cpsat steps peaked 16% above their plans and cpsat past the budget; with both rules, -2.3% and
 +0.2% (-4.5% once offloaded values kept their traced layout: ``bench/inductor_overhead.py``). What a run

@@ -539,7 +539,9 @@ def recomputations_end_their_functions(gm: fx.GraphModule) -> int:
     before it, which the simulator counts apart, do not join its first function. A tuple's items
     (a rebuilt ``var_mean``'s mean) are pinned where the rewrite unpacks them; a value read through views only
     by the recomputation (which Inductor may inline) is left alone. The rebuilt tensors are stored either way:
-    a backward op reads them."""
+    a backward op reads them. A chain run with backward loops (``Recompute.joins``) is one function by design:
+    the values of its last stretch of loops and of its joined ops are pinned after the last joined op, by
+    waits marked ``JOINED_PIN``."""
     graph = gm.graph
     starts = [node for node in graph.nodes if _recomputes(node) and computes_in_loops(node)
               and _begins_after_loops(node)]
