@@ -124,6 +124,11 @@ def _reads(problem: Problem, op: Op) -> tuple[str, ...]:
     return tuple(s for s in op.inputs if (op.name, s) not in problem.held_by_runs)
 
 
+def _ready(problem: Problem, reads: Iterable[str], made: set[str], a: int) -> bool:
+    """Whether each of ``reads`` is in ``made`` (by the chain or the ops joined so far) or exists before op ``a``."""
+    return all(s in made or (maker := problem.storage(s).producer) is None or maker < a for s in reads)
+
+
 def _closure(problem: Problem, candidates: list[int], banned: set[int], a: int, made: set[str],
              shared: set[str]) -> list[int]:
     """The candidates (op indices after the anchor ``a``, in order) that join, ``banned`` left out: each reads
@@ -134,9 +139,7 @@ def _closure(problem: Problem, candidates: list[int], banned: set[int], a: int, 
         if j in banned:
             continue
         reads = _reads(problem, problem.ops[j])
-        ready = all(s in made or s in joined_out or (maker := problem.storage(s).producer) is None or maker < a
-                    for s in reads)
-        if ready and any(s in shared or s in joined_out for s in reads):
+        if _ready(problem, reads, made | joined_out, a) and any(s in shared or s in joined_out for s in reads):
             joined.append(j)
             joined_out.update(problem.ops[j].outputs)
     return joined
@@ -154,9 +157,7 @@ def check_joins(problem: Problem, decisions: tuple[Decision, ...]) -> None:
         ready = {s for name in d.ops for s in problem.ops[problem.op_index(name)].outputs}
         for name in d.joins:
             op = problem.ops[problem.op_index(name)] if name in allowed else None
-            if op is None or name in seen or not all(
-                    s in ready or (maker := problem.storage(s).producer) is None or maker < a
-                    for s in _reads(problem, op)):
+            if op is None or name in seen or not _ready(problem, _reads(problem, op), ready, a):
                 raise InvalidPlanError(
                     f"{name} cannot run with the recompute before {d.reload_before}: only backward loop ops that "
                     "read what it reads, and nothing made from there on but by the ops joined with it, join it, "
