@@ -7,6 +7,7 @@ deterministic, so a plan made twice is the same plan.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ class Costs:
     """Compute time each copy costs the thread that issues it (the copy op's call and the wait for it), µs:
     on a CPU with threaded copies, the runtime's own Python; 0 where the host issues copies ahead of the
     kernels (a GPU) or a copy's latency already holds it (a CPU copying synchronously)."""
+    rebuild_shares: tuple[tuple[str, float], ...] = ()
+    """(op name, share of its time) for ops whose recomputation Inductor fuses with the backward's loops that
+    read what it reads (``karma_fx.joins``): rebuilt there, such an op reads nothing the joined loops do not read
+    anyway, so it costs the share of its time the rest of its traffic takes (``karma_fx.rebuild_price``). Ops
+    not named cost their whole time when rebuilt; the simulator charges the share only to a chain the plan
+    joins, the strategies to every chain (a lower bound stays one)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_time_us", tuple(float(t) for t in self.op_time_us))
@@ -51,8 +58,23 @@ class Costs:
                 raise ValueError(f"{attr} must be positive, got {value!r}")
         if not 0 <= self.copy_latency_us < math.inf:
             raise ValueError(f"copy_latency_us must be non-negative and finite, got {self.copy_latency_us!r}")
+        bad_shares = [(name, x) for name, x in self.rebuild_shares if not 0 <= x <= 1]
+        if bad_shares:
+            raise ValueError(f"rebuild shares must lie in [0, 1], got {bad_shares[:3]}")
         if not 0 <= self.copy_issue_us < math.inf:
             raise ValueError(f"copy_issue_us must be non-negative and finite, got {self.copy_issue_us!r}")
+
+    @functools.cached_property
+    def _shares(self) -> dict[str, float]:
+        return dict(self.rebuild_shares)
+
+    def rebuild_us(self, problem: Problem, k: int) -> float:
+        """What op ``k`` of ``problem`` costs rebuilt in a recompute chain the backward's loops join: its time,
+        times its share where ``rebuild_shares`` names it."""
+        t = self.op_time_us[k]
+        if not self.rebuild_shares:
+            return t
+        return t * self._shares.get(problem.ops[k].name, 1.0)
 
     def copy_time_us(self, size_bytes: int, direction: Direction) -> float:
         """Time to move ``size_bytes`` one way: latency + size / bandwidth; nothing to move costs nothing."""

@@ -27,7 +27,7 @@ from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, GradToHost, Offload, Recompute, StreamWeight
 from karma_fx.problem import Op, Problem
 
-__all__ = ["JOIN_ALLOWANCE", "check_joins", "joined_ops", "with_joins"]
+__all__ = ["JOIN_ALLOWANCE", "check_joins", "joined_ops", "read_for_value", "with_joins"]
 
 
 _MATMULS = ("aten.mm.default", "aten.bmm.default")
@@ -99,7 +99,7 @@ def joined_ops(problem: Problem, chain: Recompute, decisions: Iterable[Decision]
                 break
             continue
         if not (op.random or op.mutates or op.name in named or len(op.outputs) != 1
-                or any(s in moved for s in _reads(problem, op))):
+                or any(s in moved for s in read_for_value(problem, op))):
             candidates.append(j)
     banned: set[int] = set()
     while True:
@@ -119,7 +119,7 @@ def _inlined(problem: Problem, name: str) -> bool:
     return s.size_bytes == 0 and all(problem.ops[u].name in problem.loop_ops for u in s.users)
 
 
-def _reads(problem: Problem, op: Op) -> tuple[str, ...]:
+def read_for_value(problem: Problem, op: Op) -> tuple[str, ...]:
     """What ``op`` reads for its value: a run's outputs its last op reads only to hold them are left out."""
     return tuple(s for s in op.inputs if (op.name, s) not in problem.held_by_runs)
 
@@ -138,7 +138,7 @@ def _closure(problem: Problem, candidates: list[int], banned: set[int], a: int, 
     for j in candidates:
         if j in banned:
             continue
-        reads = _reads(problem, problem.ops[j])
+        reads = read_for_value(problem, problem.ops[j])
         if _ready(problem, reads, made | joined_out, a) and any(s in shared or s in joined_out for s in reads):
             joined.append(j)
             joined_out.update(problem.ops[j].outputs)
@@ -157,7 +157,7 @@ def check_joins(problem: Problem, decisions: tuple[Decision, ...]) -> None:
         ready = {s for name in d.ops for s in problem.ops[problem.op_index(name)].outputs}
         for name in d.joins:
             op = problem.ops[problem.op_index(name)] if name in allowed else None
-            if op is None or name in seen or not _ready(problem, _reads(problem, op), ready, a):
+            if op is None or name in seen or not _ready(problem, read_for_value(problem, op), ready, a):
                 raise InvalidPlanError(
                     f"{name} cannot run with the recompute before {d.reload_before}: only backward loop ops that "
                     "read what it reads, and nothing made from there on but by the ops joined with it, join it, "

@@ -114,6 +114,9 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
         graph = step.joint.graph
         problem, costs = inductor_model(problem, costs, fusible_ops(graph), inlined_ops(graph), pricing.device,
                                         measured=pricing.time == "measured", past_views=inlined_past_views(graph))
+        from karma_fx.rebuild_price import with_rebuild_shares
+
+        costs = with_rebuild_shares(problem, costs)  # a rebuild the backward's loops join costs less
     return problem, costs, pricing
 
 

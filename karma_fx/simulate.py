@@ -713,8 +713,10 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
                 t = ready
         start_us[k] = t
         op = item_op[k]
-        duration = op_time[op]
-        if item_rc[k] is not None:
+        rc = item_rc[k]
+        # a chain the backward's loops join runs inside their kernel: it costs its share (``Costs.rebuild_us``)
+        duration = costs.rebuild_us(problem, op) if rc is not None and rc.joins else op_time[op]
+        if rc is not None:
             if intervals:
                 compute.append(Interval(names[op], t, t + duration, "recompute"))
             recompute_total += duration

@@ -132,3 +132,35 @@ def test_a_plan_carries_its_joins_and_a_stray_join_is_refused():
     simulate(chained, [replace(REBUILD, joins=("g_d", "g_e"))], flat_costs(chained))
     with pytest.raises(InvalidPlanError, match="g_e cannot run with the recompute before g_w"):
         simulate(chained, [replace(REBUILD, joins=("g_e",))], flat_costs(chained))
+
+
+def test_a_joined_rebuild_is_priced_at_the_traffic_its_loops_do_not_share():
+    """The rebuilt ``f_g`` reads ``m`` (4 MiB), which its joined loop ``g_d`` reads too, and writes ``a`` (4 MiB):
+    joined, it costs half its time. The strategies price the chain so (``greedy.rebuild_chain``); the
+    simulator charges the half to a joined chain only. Op by op (no loop ops) nothing is discounted."""
+    from karma_fx.rebuild_price import rebuild_shares, with_rebuild_shares
+    from karma_fx.strategies.base import RecomputeBuilder, saved_gaps
+    from karma_fx.strategies.greedy import rebuild_chain
+
+    p = gelu_block()
+    assert rebuild_shares(p) == {"f_g": 0.5}
+    assert rebuild_shares(replace(p, loop_ops=frozenset())) == {}
+    costs = with_rebuild_shares(p, flat_costs(p))
+    assert costs.rebuild_us(p, p.op_index("f_g")) == 5.0 and costs.rebuild_us(p, p.op_index("g_d")) == 10.0
+    gap = next(g for g in saved_gaps(p) if g.storage.name == "a")
+    assert rebuild_chain(p, costs, gap, RecomputeBuilder(p))[0] == 5.0
+    assert rebuild_chain(p, flat_costs(p), gap, RecomputeBuilder(p))[0] == 10.0
+    joined = replace(REBUILD, joins=("g_d",))
+    step = 10.0 * len(p.ops)
+    assert simulate(p, [REBUILD], costs).makespan_us == step + 10.0  # not joined: the whole op again
+    assert simulate(p, [joined], costs).makespan_us == step + 5.0
+    assert simulate(p, [joined], flat_costs(p)).makespan_us == step + 10.0
+    # a chain whose loops read nothing its joined loops read is not discounted: g_d reads x, which only the
+    # chain's matmul reads (an extern kernel, run alone at its whole time)
+    apart = replace(p, ops=tuple(replace(op, inputs=("da", "x")) if op.name == "g_d" else op for op in p.ops),
+                    storages=tuple(replace(s, users=(1,) if s.name == "m" else (0, 5) if s.name == "x" else s.users)
+                                   for s in p.storages), _index={}, _op_index={})
+    assert joined_ops(apart, REBUILD) == ()
+    assert rebuild_shares(apart) == {}
+    with pytest.raises(ValueError, match="rebuild shares"):
+        replace(costs, rebuild_shares=(("f_g", 1.5),))

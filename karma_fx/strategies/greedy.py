@@ -77,7 +77,7 @@ def rebuild_chain(problem: Problem, costs: Costs, gap: Gap, builder: RecomputeBu
     indices = [problem.op_index(op) for op in r.ops]
     made = {s for i in indices for s in problem.ops[i].outputs}
     reads = {s for i in indices for s in problem.ops[i].inputs} - made
-    return sum(costs.op_time_us[i] for i in indices), reads
+    return sum(costs.rebuild_us(problem, i) for i in indices), reads
 
 
 class Greedy:
@@ -281,7 +281,7 @@ def bounded_drops(problem: Problem, costs: Costs, builder: RecomputeBuilder, che
             chain = builder.group([g], dropped | {name})
         except ValueError:
             continue
-        if sum(costs.op_time_us[problem.op_index(op)] for op in chain.ops) <= growth * chains[name][0]:
+        if sum(costs.rebuild_us(problem, problem.op_index(op)) for op in chain.ops) <= growth * chains[name][0]:
             out.append(g)
             dropped.add(name)
     return out

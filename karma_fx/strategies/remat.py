@@ -137,7 +137,7 @@ class Remat:
                 decision = rebuild(problem, graph, g, [t for t, _ in taken])
                 if decision is None:
                     continue
-                work = sum(costs.op_time_us[problem.op_index(o)] for o in decision.ops)
+                work = sum(costs.rebuild_us(problem, problem.op_index(o)) for o in decision.ops)
                 ranked.append((-(g.size_bytes * spans) / (work + 1e-3), g.tensor, g.after, g, decision))
             ranked.sort(key=lambda r: r[:3])
             excess = _excess(state, budget_bytes)
@@ -155,7 +155,8 @@ class Remat:
             taken.append((best[1], best[2]))
             state = best[3]
         if state.peak_bytes <= budget_bytes:  # drop the rebuilds the plan can do without, dearest first
-            for pair in sorted(taken, key=lambda p: -sum(costs.op_time_us[problem.op_index(o)] for o in p[1].ops)):
+            for pair in sorted(taken, key=lambda p: -sum(costs.rebuild_us(problem, problem.op_index(o))
+                                                         for o in p[1].ops)):
                 trial = [p for p in taken if p is not pair]
                 tl = _replay(problem, costs, [d for _, d in trial])
                 if tl is not None and tl.peak_bytes <= budget_bytes:

@@ -165,7 +165,7 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
     for i in checked:
         lp.Add(sum(relief[i]) >= base_bytes[i] - budget_bytes)
     if rerun or costs.copy_issue_us:  # compute the plan adds: re-runs, and the copy ops of its swaps
-        lp.Add(end >= sum(costs.op_time_us[o] * r for o, r in rerun.items())
+        lp.Add(end >= sum(costs.rebuild_us(problem, o) * r for o, r in rerun.items())
                + 2 * costs.copy_issue_us * sum(swapped))
     lp.Add(sum(copies_out) <= prefix[n] + end)
     lp.Add(sum(copies_in) <= prefix[n] + end)

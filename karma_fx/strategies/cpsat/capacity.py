@@ -63,16 +63,16 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
     segs = [seg for seg in segments_of(cands) if seg.index in dv.seg]
     swap_issue = 2 * t(costs.copy_issue_us)  # a swap's two copy ops on the compute thread, as in ``exact``
     horizon = prefix[-1] + sum(t(costs.copy_time_us(c.size, "d2h")) + t(costs.copy_time_us(c.size, "h2d"))
-                               + t(chain_time(costs, c)) + swap_issue for c in cands) \
-        + sum(t(chain_time(costs, seg)) for seg in segs) + 1
+                               + t(chain_time(problem, costs, c)) + swap_issue for c in cands) \
+        + sum(t(chain_time(problem, costs, seg)) for seg in segs) + 1
     stall = {k: m.NewIntVar(0, horizon, "") for k in sync}
     for a, b in zip(sync, sync[1:]):
         m.Add(stall[a] <= stall[b])
     m.Add(stall[sync[0]] == 0)
 
     def time_at(k: int):
-        recs = [t(chain_time(costs, c)) * rec[c.name] for c in cands if c.name in rec and c.first_bwd < k]
-        recs += [t(chain_time(costs, seg)) * dv.seg[seg.index] for seg in segs if seg.anchor < k]
+        recs = [t(chain_time(problem, costs, c)) * rec[c.name] for c in cands if c.name in rec and c.first_bwd < k]
+        recs += [t(chain_time(problem, costs, seg)) * dv.seg[seg.index] for seg in segs if seg.anchor < k]
         if swap_issue:
             recs += [swap_issue * dv.off[c.name] for c in cands if c.producer < k]
         return prefix[k] + sum(recs) + stall[k]
@@ -91,8 +91,8 @@ def solve_capacity(problem: Problem, costs: Costs, budget_bytes: int, base_bytes
                     m.Add(sum(out_terms) <= times[q] - times[a])
                 if in_terms:
                     m.Add(sum(in_terms) <= times[q] - times[a])
-    total_rec = sum(t(chain_time(costs, c)) * rec[c.name] for c in cands if c.name in rec) \
-        + sum(t(chain_time(costs, seg)) * dv.seg[seg.index] for seg in segs)
+    total_rec = sum(t(chain_time(problem, costs, c)) * rec[c.name] for c in cands if c.name in rec) \
+        + sum(t(chain_time(problem, costs, seg)) * dv.seg[seg.index] for seg in segs)
     issue = sum(swap_issue * dv.off[c.name] for c in cands) if swap_issue else 0
     m.Minimize(total_rec + issue + stall[sync[-1]])
 

@@ -65,7 +65,7 @@ class Model:
                                                 allow_offload=costs.allow_offload)
         segs = [seg for seg in segments_of(cands) if seg.index in dv.seg]
         horizon = sum(dur) + 2 * sum(d2h.values()) + 2 * sum(h2d.values()) \
-            + sum(_t(chain_time(costs, c)) for c in cands) + sum(_t(chain_time(costs, seg)) for seg in segs) + 1
+            + sum(_t(chain_time(problem, costs, c)) for c in cands) + sum(_t(chain_time(problem, costs, seg)) for seg in segs) + 1
         self.all_vars.extend(dv.created)
         self.keep, self.rec, self.off, self.rel, self.pre = dv.keep, dv.rec, dv.off, dv.rel, dv.pre
         pinned_cands = [c for c in cands if c.name in self.pinned]
@@ -85,9 +85,9 @@ class Model:
         rec_at: dict[int, list] = {}
         for c in cands:
             if c.name in self.rec:
-                rec_at.setdefault(c.first_bwd, []).append(_t(chain_time(costs, c)) * self.rec[c.name])
+                rec_at.setdefault(c.first_bwd, []).append(_t(chain_time(problem, costs, c)) * self.rec[c.name])
         for seg in segs:
-            rec_at.setdefault(seg.anchor, []).append(_t(chain_time(costs, seg)) * dv.seg[seg.index])
+            rec_at.setdefault(seg.anchor, []).append(_t(chain_time(problem, costs, seg)) * dv.seg[seg.index])
         # A swap's two copy ops cost compute ``Costs.copy_issue_us`` each (threaded CPU copies): both charged
         # with op ``producer``, whose end issues the copy out (the simulator charges the copy back's where it is
         # issued; the total is the same).
@@ -95,8 +95,8 @@ class Model:
             rec_at.setdefault(c.producer, []).append(swap_issue * dv.off[c.name])
         for i in range(n):
             m.Add(T[i + 1] == ready.get(i, T[i]) + wait[i] + sum(rec_at.get(i, ())) + dur[i])
-        self._times = _Times(dur, d2h, h2d, {c.name: _t(chain_time(costs, c)) for c in cands}, horizon, T, wait,
-                             {seg.index: (seg, _t(chain_time(costs, seg))) for seg in segs}, fixed, pre,
+        self._times = _Times(dur, d2h, h2d, {c.name: _t(chain_time(problem, costs, c)) for c in cands}, horizon, T, wait,
+                             {seg.index: (seg, _t(chain_time(problem, costs, seg))) for seg in segs}, fixed, pre,
                              before_chains, swap_issue)
         self._literals: list | None = None
         end_d2h: dict[str, object] = {}

@@ -89,7 +89,7 @@ def solve_gaps(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Se
             held_here = [size * var for _, size, var in kept_at.get(t, ())]
             model.Add(base_bytes[t] - out_bytes[t] - sum(dropped) + sum(held_here) <= budget_bytes)
     scale = time_scale(problem, costs)  # recompute time in integer units, at least 0.1 µs
-    work = [int(round(costs.op_time_us[problem.storage(g.tensor).producer] * scale)) for g in gaps]
+    work = [int(round(costs.rebuild_us(problem, problem.storage(g.tensor).producer) * scale)) for g in gaps]
     model.Minimize(sum(w * v for w, v in zip(work, x)))
     chosen = set(hint)
     for k, v in enumerate(x):

@@ -138,8 +138,9 @@ def _attach_chain(problem: Problem, cand: Candidate, names: set[str], graph, max
     cand.chain_temp_bytes = sum(problem.storage(s).size_bytes for s in made if s != cand.name)
 
 
-def chain_time(costs: Costs, cand: Candidate | Segment) -> float:
-    return sum(costs.op_time_us[i] for i in cand.chain or ())
+def chain_time(problem: Problem, costs: Costs, cand: Candidate | Segment) -> float:
+    """What rebuilding ``cand``'s chain costs, each op at its rebuild price (``Costs.rebuild_us``)."""
+    return sum(costs.rebuild_us(problem, i) for i in cand.chain or ())
 
 
 def decisions_from(problem: Problem, chosen: dict[Candidate, Choice]) -> tuple[Decision, ...]:

@@ -149,7 +149,7 @@ def chains_before(problem: Problem, costs: Costs, decisions: Sequence[Decision])
     for d in decisions:
         if isinstance(d, Recompute):
             at = problem.op_index(d.reload_before)
-            out[at] = out.get(at, 0.0) + sum(costs.op_time_us[problem.op_index(o)] for o in d.ops)
+            out[at] = out.get(at, 0.0) + sum(costs.rebuild_us(problem, problem.op_index(o)) for o in d.ops)
     return out
 
 

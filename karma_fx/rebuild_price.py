@@ -1,0 +1,92 @@
+"""What a recomputation costs where Inductor fuses it with the backward's loops: the price the planner needs.
+
+A recompute chain the backward's loops join (``karma_fx.joins``) runs inside their kernel: it reads what they
+read anyway, so its own cost is the rest of its traffic, the results it stores. A two-pass MLP's rebuilt GELU
+costs a whole kernel alone (it reads the 4 MiB pre-activation and writes the 4 MiB GELU); fused with the
+GELU's backward, which reads that pre-activation too, it adds about the write, 0.6 ms of 1.47 on one CPU
+thread (the kernel profiles of ``docs/measurements.md``). Priced at its whole kernel, the planner preferred
+other moves to PyTorch's own recompute set at PyTorch's budgets, and its plans ran 1.05-1.14x PyTorch's step
+where that set, joined, ran 1.02x.
+
+``rebuild_shares`` prices it before any plan exists: for each saved activation, the chain that rebuilds it alone
+(as the strategies build it, ``RecomputeBuilder``) and the loops that would join it (``joined_ops``); each op
+of the chain's last stretch of loops (the ops after its last extern kernel, which run in the joined kernel)
+gets the share of that stretch's traffic the joined loops do not read, its stored results and what only it
+reads (``Costs.rebuild_shares``; the largest share where an op is in
+several chains). The share is of bytes, as Inductor's loops on a CPU and on a GPU are priced by their traffic
+(``karma_fx.fusion.kernel_costs``); arithmetic the two kernels share, an ``erf`` computed again by the
+GELU's backward, Inductor computes once, and arithmetic they do not share is left in the chain's traffic
+share, not counted apart (a chain's arithmetic is rarely its cost under Inductor).
+
+The strategies price every chain so (a chain they build may be joined, and the bound stays a bound); the
+simulator charges the share only to a chain the plan joins, and the whole time to one it does not.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from karma_fx.costs import Costs
+from karma_fx.joins import joined_ops, read_for_value
+from karma_fx.problem import Problem
+from karma_fx.strategies.base import RecomputeBuilder, saved_gaps
+
+__all__ = ["rebuild_shares", "with_rebuild_shares"]
+
+
+def rebuild_shares(problem: Problem) -> dict[str, float]:
+    """Op name -> the share of its time a rebuild costs where the backward's loops join its chain (the module
+    docstring); ops in no chain that loops join are not named. Only on the step Inductor runs."""
+    if not problem.loop_ops:
+        return {}
+    builder = RecomputeBuilder(problem)
+    shares: dict[str, float] = {}
+    for gap in saved_gaps(problem):
+        producer = gap.storage.producer
+        if producer is None or not problem.ops[producer].recomputable:
+            continue
+        try:
+            chain = builder.group([gap], {gap.storage.name})
+        except ValueError:
+            continue
+        joined = joined_ops(problem, chain)
+        if not joined:
+            continue
+        stretch = _last_stretch(problem, chain.ops)
+        share = _unshared_share(problem, stretch, joined)
+        if share >= 1.0:
+            continue
+        for name in stretch:
+            shares[name] = max(shares.get(name, 0.0), share)
+    return shares
+
+
+def _last_stretch(problem: Problem, chain: tuple[str, ...]) -> tuple[str, ...]:
+    """The chain's ops from its last extern kernel on: the loops that run in one kernel with the joined ones
+    (an extern kernel before them runs alone, at its whole time)."""
+    start = len(chain)
+    while start > 0 and chain[start - 1] in problem.loop_ops:
+        start -= 1
+    return chain[start:]
+
+
+def _unshared_share(problem: Problem, chain: tuple[str, ...], joined: tuple[str, ...]) -> float:
+    """The share of a chain's traffic its joined loops do not read: what it stores, and what it reads that
+    none of them reads (each storage read or written counted once, at its size)."""
+    ops = [problem.ops[problem.op_index(name)] for name in chain]
+    made = {s for op in ops for s in op.outputs}
+    reads = {s for op in ops for s in read_for_value(problem, op)} - made
+    stored = {s for s in made if not s.endswith(":scratch")}
+    also_read = {s for name in joined for s in read_for_value(problem, problem.ops[problem.op_index(name)])}
+    size = problem.storage
+
+    total = sum(size(s).size_bytes for s in reads | stored)
+    if total <= 0:
+        return 1.0
+    return sum(size(s).size_bytes for s in (reads - also_read) | stored) / total
+
+
+def with_rebuild_shares(problem: Problem, costs: Costs) -> Costs:
+    """``costs`` with the rebuild shares of ``problem`` (``rebuild_shares``), in op order."""
+    shares = rebuild_shares(problem)
+    ordered = tuple((op.name, shares[op.name]) for op in problem.ops if op.name in shares)
+    return replace(costs, rebuild_shares=ordered)
