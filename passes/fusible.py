@@ -18,7 +18,7 @@ import torch.fx as fx
 from karma_fx.passes.liveness import storage_key
 
 __all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "computes_in_loops",
-           "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views", "is_lazily_stored", "is_view",
+           "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views", "is_lazily_stored", "is_reduction", "is_view",
            "layout_optimized", "stitched", "with_channels_last_copies"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
@@ -85,7 +85,8 @@ _REDUCTIONS: frozenset[str] = frozenset({
 none: every Inductor step failed there, ``AttributeError`` on the tag)."""
 
 
-def _is_reduction(target: object) -> bool:
+def is_reduction(target: object) -> bool:
+    """Whether ``target`` (an op, or its name as ``str(op)`` writes it) reduces: Inductor generates its loops."""
     if _REDUCTION_TAG is not None and isinstance(target, torch._ops.OpOverload) and _REDUCTION_TAG in target.tags:
         return True
     return str(target) in _REDUCTIONS
@@ -94,13 +95,13 @@ def _is_reduction(target: object) -> bool:
 def _computes_in_loops(target: object) -> bool:
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return True
-    return _is_reduction(target) or str(target) in _LOOP_OPS or str(target) in SCATTER_OPS
+    return is_reduction(target) or str(target) in _LOOP_OPS or str(target) in SCATTER_OPS
 
 
 def _stores_its_result(target: object) -> bool:
     """A reduction or a scatter: Inductor always writes its result to a buffer, never inlines it."""
     name = str(target)
-    return _is_reduction(target) or name in (
+    return is_reduction(target) or name in (
         "aten.var_mean.correction", "aten.max.dim", "aten.min.dim") or name in SCATTER_OPS
 
 

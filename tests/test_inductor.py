@@ -326,6 +326,37 @@ def test_fused_intermediates_cost_nothing_and_delayed_matmuls_extend_lifetimes()
     assert [s.name for s in fused.saved_activations()] == [s.name for s in problem.saved_activations()]
 
 
+def test_a_reduction_inductor_generates_is_priced_at_the_steps_elementwise_rate():
+    """Measured op times are eager kernels; Inductor runs a reduction as loops it generates. A reduction slower
+    per byte than the step's pointwise ops (ATen's CPU ``var_mean``: 25x) is priced at their median rate; one
+    at or under it keeps its time, and a reduction Inductor does not compile (not fusible here) keeps its own."""
+    from karma_fx.costs import Costs
+    from karma_fx.fusion import generated_reduction_costs
+    from karma_fx.problem import Op, Problem, Storage
+
+    mb = 1 << 20
+    ops = (Op("mul", "aten.mul.Tensor", "fwd", ("x",), ("mul",), bytes_accessed=2 * mb),
+           Op("add", "aten.add.Tensor", "fwd", ("mul",), ("add",), bytes_accessed=2 * mb),
+           Op("sub", "aten.sub.Tensor", "fwd", ("add",), ("sub",), bytes_accessed=2 * mb),
+           Op("var_mean", "aten.var_mean.correction", "fwd", ("sub",), ("var_mean",), bytes_accessed=mb),
+           Op("sum", "aten.sum.dim_IntList", "fwd", ("sub",), ("sum",), bytes_accessed=mb),
+           Op("amax", "aten.amax.default", "fwd", ("sub",), ("amax",), bytes_accessed=mb))
+    storages = (Storage("x", mb, "input", None, (0,)), Storage("mul", mb, "temp", 0, (1,)),
+                Storage("add", mb, "temp", 1, (2,)), Storage("sub", mb, "temp", 2, (3, 4, 5)),
+                *(Storage(n, 64, "gradient", k, (), is_output=True)
+                  for k, n in ((3, "var_mean"), (4, "sum"), (5, "amax"))))
+    problem = Problem(ops=ops, storages=storages, num_fwd_ops=6)
+    # the launch: the 10th percentile of the six times, 40 µs; the pointwise ops move 2 MiB in 70 µs of work
+    costs = Costs(op_time_us=(110.0, 110.0, 110.0, 2000.0, 40.0, 900.0), d2h_bytes_per_us=1e4,
+                  h2d_bytes_per_us=1e4, copy_latency_us=0.0, device="cpu")
+    priced = generated_reduction_costs(problem, costs, {"mul", "add", "sub", "var_mean", "sum"})
+    assert priced.op_time_us[:3] == costs.op_time_us[:3]
+    assert priced.op_time_us[3] == pytest.approx(40.0 + 35.0)  # its launch, then 1 MiB at that rate
+    assert priced.op_time_us[4] == 40.0  # its launch is all of it: already under the rate
+    assert priced.op_time_us[5] == 900.0  # not computed in Inductor's loops here: its own kernel runs
+    assert generated_reduction_costs(problem, costs, {"var_mean"}) == costs  # no pointwise op to take a rate from
+
+
 def test_an_embedding_gradient_is_one_buffer_and_its_addmm_ends_the_loop_kernel():
     """A tied embedding's gradient: Inductor writes the zero fill into the scatter's own output (one buffer,
     not a fill and a copy), the scatter always stores its result, and the ``add(mm, scatter)`` it rewrites to
@@ -688,7 +719,7 @@ def test_a_fused_chain_costs_its_kernel_not_the_sum_of_its_ops():
 
     from karma_fx.costs import Costs, estimate_costs
     from karma_fx.device import DeviceSpec
-    from karma_fx.fusion import inductor_model, kernel_groups
+    from karma_fx.fusion import inductor_model, kernel_costs, kernel_groups
     from karma_fx.problem import Op, Problem, Storage
 
     mb = 1 << 20
@@ -728,8 +759,15 @@ def test_a_fused_chain_costs_its_kernel_not_the_sum_of_its_ops():
             ((25.0, 35.0, 15.0, 100.0, 100.0), 15.0, 20.0)):  # the add's own work outlasts the scaled traffic
         measured = Costs(op_time_us=times, d2h_bytes_per_us=1e4, h2d_bytes_per_us=1e4, copy_latency_us=1.0,
                          device="measured")
-        _, costs = inductor_model(problem, measured, {"mul", "add", "sum"}, {"mul", "add"}, measured=True)
+        costs = kernel_costs(fused_problem, measured, {"mul", "add"}, measured=True)
         assert math.fsum(costs.op_time_us[:3]) == pytest.approx(launch + work, rel=1e-12)
+        assert costs.op_time_us[3:] == times[3:]
+        # the whole model first prices the sum at the pointwise ops' rate (``generated_reduction_costs``):
+        # the add moves 3 MiB in its work, 35 µs in the even chain, and the sum's 1 MiB then takes a third
+        # of that, so the chain is the add's work and a launch; the other chain's sum is under that rate
+        _, costs = inductor_model(problem, measured, {"mul", "add", "sum"}, {"mul", "add"}, measured=True)
+        assert math.fsum(costs.op_time_us[:3]) == pytest.approx(launch + (35.0 if times[0] == 40.0 else work),
+                                                                rel=1e-12)
         assert costs.op_time_us[3:] == times[3:]
 
 

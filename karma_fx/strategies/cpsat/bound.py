@@ -9,7 +9,9 @@ faster than it says.
 The relaxation, for every saved activation ``s`` (all of them, however small):
 
 * ``y_s`` in [0, 1]: recomputed. Recomputing ``s`` runs its producer again at least once, so it costs at least
-  the producer's time (shared equally among the saved outputs of a multi-output op);
+  the producer's rebuild price (``Costs.rebuild_us``: its time, or the share of it a chain the backward's loops
+  join costs, which is never more than the simulator charges), shared equally among the saved outputs of a
+  multi-output op;
 * ``x_s,i`` in [0, 1]: away on the host while op ``i`` runs (only inside ``s``'s gap, between its last forward
   read and its first backward read), at most ``x_s``, with ``x_s + y_s <= 1``;
 * memory at every checked op ``i``: the unplanned bytes minus the sizes away or recomputed ``<= budget``;
