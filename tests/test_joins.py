@@ -164,3 +164,22 @@ def test_a_joined_rebuild_is_priced_at_the_traffic_its_loops_do_not_share():
     assert rebuild_shares(apart) == {}
     with pytest.raises(ValueError, match="rebuild shares"):
         replace(costs, rebuild_shares=(("f_g", 1.5),))
+
+
+def test_the_planner_compares_plans_as_they_are_joined_when_run():
+    """``judged_figures`` times a plan with the joins ``with_joins`` gives it (the step with a 500 MiB input alive,
+    so the join's 4 MiB is within the 1% allowance): the rebuild at its share; where the join does not fit the
+    budget, or op by op, the plain figures."""
+    from karma_fx.rebuild_price import with_rebuild_shares
+    from karma_fx.strategies.base import figures_of, judged_figures
+
+    p = gelu_block()
+    big = replace(p, storages=tuple(replace(s, size_bytes=500 * MB) if s.name == "x" else s for s in p.storages),
+                  _index={}, _op_index={})
+    costs = with_rebuild_shares(big, flat_costs(big))
+    plain = figures_of(big, costs, (REBUILD,))
+    assert plain.makespan_us == 10.0 * len(big.ops) + 10.0
+    assert judged_figures(big, costs, (REBUILD,), 600 * MB).makespan_us == plain.makespan_us - 5.0
+    assert judged_figures(big, costs, (REBUILD,), plain.peak_bytes) == plain  # the join would break the budget
+    eager = replace(big, loop_ops=frozenset())
+    assert judged_figures(eager, costs, (REBUILD,), 600 * MB) == figures_of(eager, costs, (REBUILD,))

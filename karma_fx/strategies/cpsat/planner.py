@@ -32,7 +32,7 @@ from karma_fx.costs import Costs
 from karma_fx.plan import Offload, Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import paused_gc
-from karma_fx.strategies.base import Strategy, copies_landed, figures_of, timeline_of
+from karma_fx.strategies.base import Strategy, copies_landed, figures_of, judged_figures, timeline_of
 from karma_fx.strategies.cpsat.bound import lower_bound_us
 from karma_fx.strategies.cpsat.capacity import solve_capacity
 from karma_fx.strategies.cpsat.descent import descend
@@ -196,7 +196,7 @@ class CpSat:
                 continue  # planned last, apart (``_plan``)
             say("heuristics", strategy.name)
             plan = strategy(problem, costs, budget_bytes)
-            tl = figures_of(problem, costs, plan.decisions)
+            tl = judged_figures(problem, costs, plan.decisions, budget_bytes)
             if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us < best[0]):
                 best = (tl.makespan_us, plan, tl.peak_bytes)
 
@@ -250,7 +250,7 @@ class CpSat:
             if blocks.blocks_replicated:
                 quality = "OPTIMAL" if blocks.blocks_proven == blocks.blocks_replicated else "FEASIBLE"
                 block_status = f"BLOCKS:{quality}({blocks.blocks_replicated}/{blocks.blocks_total} blocks)"
-                tl = figures_of(problem, costs, blocks.decisions)
+                tl = judged_figures(problem, costs, blocks.decisions, budget_bytes)
                 best = (tl.makespan_us, Plan(strategy=self.name, budget_bytes=budget_bytes,
                                              decisions=blocks.decisions, status=block_status,
                                              lower_bound_us=proven), tl.peak_bytes)
@@ -319,7 +319,7 @@ class CpSat:
             # ``bench/versus_torch.py`` then ran karma's heuristic at 1.092x its unlimited step (simulated) where
             # the local search had found 1.05x
             searched = model.decisions(descended)
-            tl = figures_of(problem, costs, searched)
+            tl = judged_figures(problem, costs, searched, budget_bytes)
             if tl.peak_bytes <= budget_bytes and (best is None or tl.makespan_us < best[0]):
                 best = (tl.makespan_us, Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=searched,
                                              status="OPTIMAL" if _at_bound(tl.makespan_us, proven) else "FEASIBLE",
@@ -337,7 +337,7 @@ class CpSat:
         # The solve's step time is the model's time for its decisions (perhaps with a wait more than they need
         # where the search stopped early): re-timing them cost up to 2 s and the simulator has the last word.
         predicted = objective
-        tl = figures_of(problem, costs, decisions)
+        tl = judged_figures(problem, costs, decisions, budget_bytes)
         quality = "optimal" if status == "OPTIMAL" else "best found"
         notes.append(f"solver, exact pass: {quality} among the points it considers, predicted "
                      f"{(predicted or objective) / 1e3:.3f} ms, simulated {tl.makespan_us / 1e3:.3f} ms")
