@@ -15,13 +15,12 @@ from karma_fx.budget import Budget, format_bytes, parse_budget
 from karma_fx.costs import Costs
 from karma_fx.device import DeviceSpec
 from karma_fx.errors import InfeasibleBudgetError, KarmaError
-from karma_fx.joins import with_joins
 from karma_fx.progress import planning, report
 from karma_fx.passes.capture import CapturedStep, capture
 from karma_fx.passes.liveness import build_problem
 from karma_fx.plan import Plan
 from karma_fx.problem import Problem
-from karma_fx.simulate import Timeline, peak_and_makespan, simulate, wait_where_copies_land
+from karma_fx.simulate import Timeline, decisions_as_run, simulate
 from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
 from karma_fx.strategies.leanest import LEANEST_SWAPS, leanest_peak, leanest_plan_parts
 
@@ -142,10 +141,7 @@ class Prepared:
         replay has it landed (``wait_where_copies_land``), each recompute chain joined by the backward loops
         Inductor can fuse with it where the plan still fits (``karma_fx.joins``), and the simulator's verdict
         attached."""
-        raw = raw.replace(decisions=wait_where_copies_land(self.problem, raw, self.costs))
-        raw = raw.replace(decisions=with_joins(  # replayed with the plan's kernel splits
-            self.problem, raw.decisions, raw.budget_bytes,
-            lambda ds: peak_and_makespan(self.problem, raw.replace(decisions=ds), self.costs)[0]))
+        raw = raw.replace(decisions=decisions_as_run(self.problem, raw, self.costs, raw.budget_bytes))
         timeline = simulate(self.problem, raw, self.costs)
         keep, unplanned = self.keep, self.unplanned_peak_bytes
         # the plan that moves nothing runs as written (under Inductor, Inductor's own partition)

@@ -58,6 +58,8 @@ class Costs:
                 raise ValueError(f"{attr} must be positive, got {value!r}")
         if not 0 <= self.copy_latency_us < math.inf:
             raise ValueError(f"copy_latency_us must be non-negative and finite, got {self.copy_latency_us!r}")
+        shares = self.rebuild_shares.items() if isinstance(self.rebuild_shares, dict) else self.rebuild_shares
+        object.__setattr__(self, "rebuild_shares", tuple((str(name), float(x)) for name, x in shares))
         bad_shares = [(name, x) for name, x in self.rebuild_shares if not 0 <= x <= 1]
         if bad_shares:
             raise ValueError(f"rebuild shares must lie in [0, 1], got {bad_shares[:3]}")

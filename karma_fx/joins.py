@@ -27,7 +27,8 @@ from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, GradToHost, Offload, Recompute, StreamWeight
 from karma_fx.problem import Op, Problem
 
-__all__ = ["JOIN_ALLOWANCE", "check_joins", "joined_ops", "read_for_value", "with_joins"]
+__all__ = ["JOIN_ALLOWANCE", "check_joins", "joined_ops", "last_stretch", "read_for_value", "unshared_share",
+           "with_joins"]
 
 
 _MATMULS = ("aten.mm.default", "aten.bmm.default")
@@ -143,6 +144,30 @@ def _closure(problem: Problem, candidates: list[int], banned: set[int], a: int, 
             joined.append(j)
             joined_out.update(problem.ops[j].outputs)
     return joined
+
+
+def last_stretch(problem: Problem, chain: tuple[str, ...]) -> tuple[str, ...]:
+    """The chain's ops from its last extern kernel on: the loops that run in one kernel with the ones joined
+    (an extern kernel before them runs alone)."""
+    start = len(chain)
+    while start > 0 and chain[start - 1] in problem.loop_ops:
+        start -= 1
+    return chain[start:]
+
+
+def unshared_share(problem: Problem, stretch: Iterable[str], joined: Iterable[str]) -> float:
+    """The share of a stretch of loops' traffic that the ops ``joined`` with it do not read: what it stores,
+    and what it reads that none of them reads (each storage read or written counted once, at its size). Fused
+    with them, that is what the stretch costs (``karma_fx.rebuild_price``)."""
+    ops = [problem.ops[problem.op_index(name)] for name in stretch]
+    made = {s for op in ops for s in op.outputs}
+    reads = {s for op in ops for s in read_for_value(problem, op)} - made
+    stored = {s for s in made if not s.endswith(":scratch")}
+    also_read = {s for name in joined for s in read_for_value(problem, problem.ops[problem.op_index(name)])}
+    total = sum(problem.storage(s).size_bytes for s in reads | stored)
+    if total <= 0:
+        return 1.0
+    return sum(problem.storage(s).size_bytes for s in (reads - also_read) | stored) / total
 
 
 def check_joins(problem: Problem, decisions: tuple[Decision, ...]) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from karma_fx.costs import Costs
-from karma_fx.joins import joined_ops, read_for_value
+from karma_fx.joins import joined_ops, last_stretch, unshared_share
 from karma_fx.problem import Problem
 from karma_fx.strategies.base import RecomputeBuilder, saved_gaps
 
@@ -51,38 +51,11 @@ def rebuild_shares(problem: Problem) -> dict[str, float]:
         joined = joined_ops(problem, chain)
         if not joined:
             continue
-        stretch = _last_stretch(problem, chain.ops)
-        share = _unshared_share(problem, stretch, joined)
-        if share >= 1.0:
-            continue
+        stretch = last_stretch(problem, chain.ops)
+        share = unshared_share(problem, stretch, joined)
         for name in stretch:
             shares[name] = max(shares.get(name, 0.0), share)
-    return shares
-
-
-def _last_stretch(problem: Problem, chain: tuple[str, ...]) -> tuple[str, ...]:
-    """The chain's ops from its last extern kernel on: the loops that run in one kernel with the joined ones
-    (an extern kernel before them runs alone, at its whole time)."""
-    start = len(chain)
-    while start > 0 and chain[start - 1] in problem.loop_ops:
-        start -= 1
-    return chain[start:]
-
-
-def _unshared_share(problem: Problem, chain: tuple[str, ...], joined: tuple[str, ...]) -> float:
-    """The share of a chain's traffic its joined loops do not read: what it stores, and what it reads that
-    none of them reads (each storage read or written counted once, at its size)."""
-    ops = [problem.ops[problem.op_index(name)] for name in chain]
-    made = {s for op in ops for s in op.outputs}
-    reads = {s for op in ops for s in read_for_value(problem, op)} - made
-    stored = {s for s in made if not s.endswith(":scratch")}
-    also_read = {s for name in joined for s in read_for_value(problem, problem.ops[problem.op_index(name)])}
-    size = problem.storage
-
-    total = sum(size(s).size_bytes for s in reads | stored)
-    if total <= 0:
-        return 1.0
-    return sum(size(s).size_bytes for s in (reads - also_read) | stored) / total
+    return {name: share for name, share in shares.items() if share < 1.0}
 
 
 def with_rebuild_shares(problem: Problem, costs: Costs) -> Costs:

@@ -13,7 +13,9 @@ way the runtime issues work:
   a storage lives from its allocation to its last read, an offloaded one also until its D2H copy has landed,
   and a prefetched one from the moment its H2D copy is issued.
 
-It shares no arithmetic with any strategy or solver, so it is the like-for-like judge for all of them. It also
+It is the like-for-like judge for every strategy and solver: they read the same ``Costs`` (a recompute chain
+the backward's loops join is charged the share of its traffic those loops do not read, never below the price the
+strategies give it, ``Costs.rebuild_us``), but none of their models. It also
 validates the plan (a tensor read while off the device, a recompute input missing, …) and says what is wrong.
 
 Example::
@@ -30,11 +32,11 @@ import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
-from karma_fx.joins import check_joins
+from karma_fx.joins import check_joins, last_stretch, unshared_share, with_joins
 from karma_fx.plan import Decision, GradToHost, Offload, Plan, Recompute, ScheduleRow, StreamWeight
 from karma_fx.problem import Problem
 from karma_fx.split import split_problem
@@ -203,6 +205,20 @@ def wait_where_copies_land(problem: Problem, plan: Plan | Iterable[Decision], co
                 d = replace(d, release_before=problem.ops[max(op, producer + 1)].name)
         out.append(d)
     return tuple(out)
+
+
+def decisions_as_run(problem: Problem, plan: Plan | Iterable[Decision], costs: Costs, budget_bytes: int,
+                     peak: Callable[[tuple[Decision, ...]], int] | None = None) -> tuple[Decision, ...]:
+    """The plan's decisions as the rewrite runs them: each swap-out waited for where the replay has it landed
+    (``wait_where_copies_land``), then each recompute chain joined by the backward loops Inductor fuses with it
+    where the plan still fits (``karma_fx.joins.with_joins``; ``peak``: the replay's peak of some decisions, by
+    default this plan's, kernel splits included). ``Prepared.judge`` runs a plan so, and the planner compares
+    its candidates so (``strategies.base.judged_figures``)."""
+    waited = wait_where_copies_land(problem, plan, costs)
+    if peak is None:
+        def peak(ds: tuple[Decision, ...]) -> int:
+            return peak_and_makespan(problem, plan.replace(decisions=ds) if isinstance(plan, Plan) else ds, costs)[0]
+    return with_joins(problem, waited, budget_bytes, peak)
 
 
 @contextmanager
@@ -683,6 +699,7 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
     stall_total = recompute_total = 0.0
     stall_at_op = [0.0] * len(problem.ops)
     host_events: list[tuple[float, int]] = []
+    joined_share: dict[int, tuple[frozenset[str], float]] = {}  # a joined chain -> (its last loops, their share)
     for k in range(n_items):
         issued = prefetch_item.get(k)
         if issued:
@@ -714,8 +731,14 @@ def _timing(problem: Problem, costs: Costs, seq: _Sequence, events: _Events, sta
         start_us[k] = t
         op = item_op[k]
         rc = item_rc[k]
-        # a chain the backward's loops join runs inside their kernel: it costs its share (``Costs.rebuild_us``)
-        duration = costs.rebuild_us(problem, op) if rc is not None and rc.joins else op_time[op]
+        duration = op_time[op]
+        if rc is not None and rc.joins:  # inside its joins' kernel: the share of its traffic they do not read
+            share = joined_share.get(id(rc))
+            if share is None:
+                stretch = last_stretch(problem, rc.ops)
+                share = joined_share[id(rc)] = (frozenset(stretch), unshared_share(problem, stretch, rc.joins))
+            if names[op] in share[0]:  # never below the price the strategies and the bound give it
+                duration = max(duration * share[1], costs.rebuild_us(problem, op))
         if rc is not None:
             if intervals:
                 compute.append(Interval(names[op], t, t + duration, "recompute"))

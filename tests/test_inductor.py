@@ -1439,7 +1439,7 @@ def test_a_rebuilt_gelu_runs_in_one_kernel_with_its_backward(joined, monkeypatch
     from torch._inductor.utils import run_and_get_code
 
     if not joined:
-        monkeypatch.setattr(karma_fx.api, "with_joins", lambda problem, decisions, budget, peak: decisions)
+        monkeypatch.setattr(karma_fx.simulate, "with_joins", lambda problem, decisions, budget, peak: decisions)
     torch.manual_seed(0)
     model, x = GeluMLP(), torch.randn(4, 64, 32)
     reference = copy.deepcopy(model)

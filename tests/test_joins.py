@@ -183,3 +183,23 @@ def test_the_planner_compares_plans_as_they_are_joined_when_run():
     assert judged_figures(big, costs, (REBUILD,), plain.peak_bytes) == plain  # the join would break the budget
     eager = replace(big, loop_ops=frozenset())
     assert judged_figures(eager, costs, (REBUILD,), 600 * MB) == figures_of(eager, costs, (REBUILD,))
+
+
+def test_a_joined_chain_is_charged_for_the_joins_it_has():
+    """With ``g_s`` reading the rebuilt ``a`` (so it may join too), the chain priced for its widest joins costs
+    half (``rebuild_us``); joined by ``g_s`` alone, which reads nothing the chain reads, it is charged its whole
+    time, and joined by both, half."""
+    from karma_fx.rebuild_price import with_rebuild_shares
+
+    p = gelu_block()
+    reads = {"g_s": ("a",)}
+    users = {"a": (2, 4, 6), "gw": ()}
+    p = replace(p, ops=tuple(replace(op, inputs=reads.get(op.name, op.inputs)) for op in p.ops),
+                storages=tuple(replace(s, users=users.get(s.name, s.users)) for s in p.storages),
+                _index={}, _op_index={})
+    assert joined_ops(p, REBUILD) == ("g_d", "g_s")
+    costs = with_rebuild_shares(p, flat_costs(p))
+    assert costs.rebuild_us(p, p.op_index("f_g")) == 5.0
+    step = 10.0 * len(p.ops)
+    assert simulate(p, [replace(REBUILD, joins=("g_s",))], costs).makespan_us == step + 10.0
+    assert simulate(p, [replace(REBUILD, joins=("g_d", "g_s"))], costs).makespan_us == step + 5.0

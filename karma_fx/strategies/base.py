@@ -12,10 +12,9 @@ from typing import Iterable, NamedTuple, Protocol, Sequence, TypeVar, runtime_ch
 
 from karma_fx.costs import Costs
 from karma_fx.dependencies import dependency_graph, recompute_ops
-from karma_fx.joins import with_joins
 from karma_fx.plan import Decision, Offload, Plan, Recompute
 from karma_fx.problem import Problem, Storage
-from karma_fx.simulate import Timeline, peak_and_makespan, simulate
+from karma_fx.simulate import Timeline, decisions_as_run, peak_and_makespan, simulate
 
 
 T = TypeVar("T")
@@ -194,16 +193,20 @@ def timeline_of(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] 
 
 def judged_figures(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] | list[Decision],
                    budget_bytes: int) -> Figures:
-    """The simulator's figures for ``decisions`` as the plan is run: with the joins ``karma_fx.joins.with_joins``
-    gives its recompute chains where the step is Inductor's (``Prepared.judge`` adds the same ones). The
+    """The simulator's figures for ``decisions`` as the plan is run (``simulate.decisions_as_run``, as
+    ``Prepared.judge`` runs it): its swap-outs waited for where they land, and its recompute chains joined by
+    the backward's loops where the step is Inductor's and the plan still fits. The
     planner compares its candidate plans by these, so a plan whose rebuilds the backward's loops fuse is
     credited with the time it saves there (``Costs.rebuild_us``), as it is when judged."""
     decisions = tuple(decisions)
     plain = figures_of(problem, costs, decisions)
-    if not problem.loop_ops or not any(isinstance(d, Recompute) for d in decisions):
-        return plain
-    joined = with_joins(problem, decisions, budget_bytes, lambda ds: figures_of(problem, costs, ds).peak_bytes)
-    return plain if joined == decisions else figures_of(problem, costs, joined)
+    discounted = {name for name, _ in costs.rebuild_shares}
+    if not problem.loop_ops or not any(isinstance(d, Recompute) and discounted.intersection(d.ops)
+                                       for d in decisions):
+        return plain  # no join would make this plan faster
+    run = decisions_as_run(problem, decisions, costs, budget_bytes,
+                           lambda ds: figures_of(problem, costs, ds).peak_bytes)
+    return plain if run == decisions else figures_of(problem, costs, run)
 
 
 def copies_landed(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] | list[Decision]) -> dict[str, int]:

@@ -66,8 +66,9 @@ LOOKAHEAD = 1.2
 
 
 def rebuild_chain(problem: Problem, costs: Costs, gap: Gap, builder: RecomputeBuilder) -> tuple[float, set[str]] | None:
-    """The time to rebuild ``gap`` alone from what the step still holds at its first backward read, and the
-    storages that chain reads (``None``: it cannot be rebuilt)."""
+    """The price of rebuilding ``gap`` alone from what the step still holds at its first backward read (each op at
+    ``Costs.rebuild_us``: less than its time where the backward's loops would join the chain), and the storages
+    that chain reads (``None``: it cannot be rebuilt)."""
     if not problem.ops[gap.storage.producer or 0].recomputable:
         return None
     try:

@@ -142,9 +142,9 @@ def pin_outside_copies(problem: Problem, cands: list[Candidate], names: set[str]
 
 
 def chains_before(problem: Problem, costs: Costs, decisions: Sequence[Decision]) -> dict[int, float]:
-    """Op index -> the time of ``decisions``' recompute chains that run before it: the pinned surroundings of
-    a model run them whatever it decides, and a model that left them out timed GPT-2-48's step at 206 ms where
-    the simulator ran it in 246 ms, so copies looked slow beside compute that was missing."""
+    """Op index -> the price (``Costs.rebuild_us``) of ``decisions``' recompute chains that run before it: the
+    pinned surroundings of a model run them whatever it decides, and a model that left them out timed GPT-2-48's
+    step at 206 ms where the simulator ran it in 246 ms, so copies looked slow beside compute that was missing."""
     out: dict[int, float] = {}
     for d in decisions:
         if isinstance(d, Recompute):
