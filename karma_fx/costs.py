@@ -44,8 +44,8 @@ class Costs:
     """(op name, share of its time) for ops whose recomputation Inductor fuses with the backward's loops that
     read what it reads (``karma_fx.joins``): rebuilt there, such an op reads nothing the joined loops do not read
     anyway, so it costs the share of its time the rest of its traffic takes (``karma_fx.rebuild_price``). Ops
-    not named cost their whole time when rebuilt; the simulator charges the share only to a chain the plan
-    joins, the strategies to every chain (a lower bound stays one)."""
+    not named cost their whole time when rebuilt. The strategies price every chain at these shares (a lower
+    bound stays one); the simulator charges a chain the plan joins the share of the joins it has, never less."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_time_us", tuple(float(t) for t in self.op_time_us))

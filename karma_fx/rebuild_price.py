@@ -12,14 +12,15 @@ where that set, joined, ran 1.02x.
 (as the strategies build it, ``RecomputeBuilder``) and the loops that would join it (``joined_ops``); each op
 of the chain's last stretch of loops (the ops after its last extern kernel, which run in the joined kernel)
 gets the share of that stretch's traffic the joined loops do not read, its stored results and what only it
-reads (``Costs.rebuild_shares``; the largest share where an op is in
-several chains). The share is of bytes, as Inductor's loops on a CPU and on a GPU are priced by their traffic
-(``karma_fx.fusion.kernel_costs``); arithmetic the two kernels share, an ``erf`` computed again by the
-GELU's backward, Inductor computes once, and arithmetic they do not share is left in the chain's traffic
-share, not counted apart (a chain's arithmetic is rarely its cost under Inductor).
+reads (``Costs.rebuild_shares``; the largest share where an op is in several chains). The share is of bytes,
+as Inductor's loops on a CPU and on a GPU are priced by their traffic (``karma_fx.fusion.kernel_costs``):
+arithmetic the two kernels share, an ``erf`` computed again by the GELU's backward, Inductor computes once,
+and arithmetic they do not share is left in the chain's traffic share, not counted apart (a chain's arithmetic
+is rarely its cost under Inductor).
 
-The strategies price every chain so (a chain they build may be joined, and the bound stays a bound); the
-simulator charges the share only to a chain the plan joins, and the whole time to one it does not.
+The strategies price every chain so (a chain they build may be joined, and the bound stays a bound). The
+simulator charges the whole time to a chain the plan does not join, and to one it joins the share of the joins
+it has (``joins.unshared_share``), never less than the strategies' price.
 """
 from __future__ import annotations
 
