@@ -67,7 +67,8 @@ class Costs:
             raise ValueError(f"copy_issue_us must be non-negative and finite, got {self.copy_issue_us!r}")
 
     @functools.cached_property
-    def _shares(self) -> dict[str, float]:
+    def share_of(self) -> dict[str, float]:
+        """``rebuild_shares`` as a mapping, made once: the ops it names are the ones a join makes cheaper."""
         return dict(self.rebuild_shares)
 
     def rebuild_us(self, problem: Problem, k: int) -> float:
@@ -76,7 +77,7 @@ class Costs:
         t = self.op_time_us[k]
         if not self.rebuild_shares:
             return t
-        return t * self._shares.get(problem.ops[k].name, 1.0)
+        return t * self.share_of.get(problem.ops[k].name, 1.0)
 
     def copy_time_us(self, size_bytes: int, direction: Direction) -> float:
         """Time to move ``size_bytes`` one way: latency + size / bandwidth; nothing to move costs nothing."""

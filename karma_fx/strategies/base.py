@@ -200,8 +200,7 @@ def judged_figures(problem: Problem, costs: Costs, decisions: tuple[Decision, ..
     credited with the time it saves there (``Costs.rebuild_us``), as it is when judged."""
     decisions = tuple(decisions)
     plain = figures_of(problem, costs, decisions)
-    discounted = {name for name, _ in costs.rebuild_shares}
-    if not problem.loop_ops or not any(isinstance(d, Recompute) and discounted.intersection(d.ops)
+    if not problem.loop_ops or not any(isinstance(d, Recompute) and any(op in costs.share_of for op in d.ops)
                                        for d in decisions):
         return plain  # no join would make this plan faster
     run = decisions_as_run(problem, decisions, costs, budget_bytes,
