@@ -24,7 +24,7 @@ names: the same arithmetic as the check, so the total is tight). All of it is pl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 from karma_fx.plan import GradToHost, Offload, Plan, Recompute
 from karma_fx.problem import Problem
@@ -146,6 +146,12 @@ class Run:
     new_grad_bytes: int = 0
     """Gradients its backward leaves that the step did not hold before (with gradients held from an earlier
     micro-batch the new ones are added into them and go)."""
+    grad_ids: frozenset[Hashable] | None = None
+    """The parameters whose gradients those are, where known (``grad_sizes`` their bytes). Several runs of a
+    step may read one parameter (a model called on two views of a batch before one backward): the gradient is
+    left by the backward of the last of them, which runs first, and each earlier run's backward makes another
+    that is added into it. ``None``: ``new_grad_bytes`` counted at this run's backward, as they are."""
+    grad_sizes: Mapping[Hashable, int] | None = field(default=None, compare=False, repr=False)
     region: int = -1
     """Which region this is a run of (for messages)."""
     caller_keeps: frozenset[int] | None = None
@@ -231,6 +237,7 @@ def _phases(step: Step) -> list[Phase]:
     last_out = sum(b for o, (i, b, saved) in enumerate(runs[last].makes)
                    if not saved and runs[last].kept_by_caller(o)) if runs and step.last_outputs_held else 0
     new_grads_after = 0
+    left: set[Hashable] = set()  # parameters whose gradients the backwards so far have left
     for k in range(last, -1, -1):
         r = runs[k]
         before_held: dict[TensorId, int] = {}
@@ -249,7 +256,13 @@ def _phases(step: Step) -> list[Phase]:
         else:  # the last run's outputs the caller let go before the backward
             gone += sum(b for o, (_, b, saved) in enumerate(r.makes) if not saved and not r.kept_by_caller(o))
         out.append(Phase(k, "backward", context + r.fp.bwd_peak_bytes - gone))
-        new_grads_after += r.new_grad_bytes
+        if r.grad_ids is None or not left or r.grad_ids.isdisjoint(left):
+            new_grads_after += r.new_grad_bytes
+        else:  # only those no later run's backward left already (the others are added into them)
+            assert r.grad_sizes is not None
+            new_grads_after += sum(r.grad_sizes[i] for i in r.grad_ids - left)
+        if r.grad_ids:
+            left |= r.grad_ids
     return out
 
 

@@ -124,13 +124,15 @@ class Session:
         counted from the step's first run on (``_persistent_bytes``)."""
         self._viewed = False
         """Whether a run of this step chose its plan (a replayed step reads no weights)."""
-        self._grads_counted: set[int] = set()
         self._held_grads: set[int] = set()
         """ids of the parameters that held a gradient when the step began (read once a step, in ``begin_step``)."""
         self._last_reading: tuple[tuple, int] | None = None
         """The last steady step measured: (its sequence of runs, their variants, what it held; its peak)."""
         self._saw_backward = False
         self._started = False
+        self._graphs: list[Any] = []
+        """Per run of this step, a weak reference to the autograd graph its outputs hang on (``None``: none
+        of them needs a gradient): a graph gone with no backward is a step given up (``step_over``)."""
         self._between = Between()
         self._margins = Margins()
         self.twin_maker: Callable[[Region, list[Any]], list[Region]] | None = None
@@ -141,6 +143,11 @@ class Session:
         self._unplanned_bytes = 0
         self._firm_unplanned = 0
         self._guessed_unplanned = 0
+        self._this_unplanned = (0, 0)
+        """(runs, bytes): the unplanned peak of the step running as its last choice counted it, with that many
+        runs. It counts toward ``_firm_unplanned`` or ``_guessed_unplanned`` once the step's backward begins, for
+        the runs that ran: a step given up (an evaluation with gradients on, ``step_over``) is no step a fraction
+        is of, nor are the runs a step was expected to have and did not."""
         self._device_baseline = 0
         self._pending_view: Run | None = None
         self._previous_peak_cache: tuple[Any, int] | None = None
@@ -173,7 +180,7 @@ class Session:
         grown = {p: b for p, b in self._weights.items() if b > begun.get(p, 0)} if self._viewed else None
         self._viewed = False
         self._calls, self._made, self._batch = [], {}, {}
-        self._grads_counted = set()
+        self._graphs, self._this_unplanned = [], (0, 0)
         self._saw_backward = False
         self._started = True
         if tensors is None:
@@ -367,9 +374,17 @@ class Session:
         return max(seen, self._device_baseline)
 
     # ---- runs -------------------------------------------------------------------------------------------
+    def step_over(self) -> bool:
+        """Whether the next run begins a new training step: none has run yet, a backward began since the last
+        run, or the autograd graph of a run of this step is gone with no backward (its outputs and what was
+        computed from them dropped: an evaluation with gradients on). Otherwise runs are one step, whichever
+        door they come through: what each saves is held until the backward (a model called on two views of a
+        batch, or on pieces of it, before one ``loss.backward()``), so they share the budget."""
+        return self._saw_backward or not self._started or any(g is not None and g() is None for g in self._graphs)
+
     def run(self, region: Region, args: list[Any], compile_variant: Callable[[Region, Plan | None, list], Variant]
             ) -> Any:
-        if self._saw_backward or not self._started:
+        if self.step_over():
             self.begin_step(first_run=args)
         self._between.run_starts(len(self._calls))
         if region.prepared is not None and region.scratch_unmeasured and not _profiling():
@@ -405,6 +420,7 @@ class Session:
         learning = self._between.caller_keeps(self._signature()) is None
         out = variant.fn(*args)
         self._between.run_returned(k, out, learning)
+        self._graphs.append(_graph_of(out))
         for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):
                 pointer, nbytes = storage_of(t)
@@ -428,6 +444,14 @@ class Session:
         Its measurement ends with a mark, read when the next step begins (``GapMeter``)."""
         if not self._saw_backward:
             self._between.backward_began(self._signature())
+            runs, whole = self._this_unplanned
+            if runs:
+                if runs != len(self._calls):  # counted with runs that did not come (a step before had more)
+                    whole = self._sequence_peak([replace(c.view, fp=self._keep(c.region).fp) for c in self._calls],
+                                                self._calls, margin=False)
+                if not self._between.unknown(self._signature()):
+                    self._firm_unplanned = max(self._firm_unplanned, whole)
+                self._guessed_unplanned = max(self._guessed_unplanned, whole)
         self._saw_backward = True
 
     def decide(self, region: Region, args: list[Any], prepared: Any) -> Variant:
@@ -473,21 +497,24 @@ class Session:
         self._viewed = True
         self._weights.update(weights.own)
         own = dict(weights.own)
-        new_grads = 0
+        new_grads, grad_ids, grad_sizes = 0, frozenset(), None
         if not self.config.offload_weights:
-            counted = self._grads_counted
+            # The gradients its backward leaves, by parameter (``Run.grad_ids``): a parameter several runs of the
+            # step read gets it from the backward of the last of them, which runs first (``regions._phases``).
             if first is not None:  # parameters ``begin_step`` may not have seen: read their gradients
-                fresh = {id(p) for p in first if p.grad is None} - counted
+                grad_ids = frozenset(id(p) for p in first if p.grad is None)
             else:
-                fresh = weights.trainable_ids - self._held_grads - counted
-            if fresh:
-                counted |= fresh
+                held = self._held_grads
+                grad_ids = weights.trainable_ids - held if held else weights.trainable_ids
+            if grad_ids:
                 shards = self._gathered.shard_bytes  # (FSDP2 reduce-scatters a unit's gradients: its shards stay)
                 if shards:
-                    new_grads = sum(shards.get(i, weights.bytes_of[i]) for i in fresh)
+                    grad_sizes = {i: shards.get(i, weights.bytes_of[i]) for i in grad_ids}
+                    new_grads = sum(grad_sizes.values())
                 else:
-                    new_grads = weights.trainable_bytes if len(fresh) == len(weights.trainable_ids) else \
-                        sum(weights.bytes_of[i] for i in fresh)
+                    grad_sizes = weights.bytes_of
+                    new_grads = weights.trainable_bytes if len(grad_ids) == len(weights.trainable_ids) else \
+                        sum(grad_sizes[i] for i in grad_ids)
         reads = []
         inputs = fp.inputs
         for i in weights.others:
@@ -505,6 +532,7 @@ class Session:
         makes = tuple((("out", k, o), b, saved) for o, (b, saved) in enumerate(fp.outputs))
         kept = self._between.caller_keeps(self._signature() + (region.index,))
         return Run(fp=fp, own_bytes=sum(own.values()), reads=tuple(reads), makes=makes, new_grad_bytes=new_grads,
+                   grad_ids=grad_ids, grad_sizes=grad_sizes,
                    region=region.index, caller_keeps=kept)
 
     def _region_weights(self, region: Region, args: list[Any]) -> tuple["_RegionWeights", list | None]:
@@ -686,15 +714,12 @@ class Session:
         return budget - max(around, default=0)
 
     def _resolve_budget(self, unplanned: list[Run], calls: list[_Call]) -> None:
-        """A fraction of the step unplanned: of the largest one measured so far (a larger batch, gradients now
-        held), or of this one where it is larger still. A step whose code between the runs is not measured yet
-        counts a guess for it (``LOSS_HEAD_GUESS``), which the measurement then replaces, so the budget in bytes
-        may come down once, never below the largest step measured."""
+        """A fraction of the step unplanned: of the largest one so far that reached its backward (a larger batch,
+        gradients now held), or of this one where it is larger still. A step whose code between the runs is not
+        measured yet counts a guess for it (``LOSS_HEAD_GUESS``), which the measurement then replaces, so the
+        budget in bytes may come down once, never below the largest step measured."""
         whole = self._sequence_peak(unplanned, calls, margin=False)
-        signature = tuple(c.region.index for c in calls)
-        if not self._between.unknown(signature):
-            self._firm_unplanned = max(self._firm_unplanned, whole)
-        self._guessed_unplanned = max(self._guessed_unplanned, whole)
+        self._this_unplanned = (len(unplanned), whole)
         self._unplanned_bytes = max(self._firm_unplanned or self._guessed_unplanned, whole)
         if self.config.budget.fraction is None:
             return
@@ -802,6 +827,19 @@ class _RegionWeights:
     """id of a trainable parameter -> its bytes (those of the gradient it gets)."""
     others: tuple[int, ...]
     """The positions of its other tensor inputs (the batch, activations from earlier runs)."""
+
+
+def _graph_of(out: Any) -> Any:
+    """A weak reference to the autograd node of a run's first output that has one (the compiled function's
+    backward: alive while anything computed from the outputs may still be backpropagated), or ``None``."""
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+        if node is not None:
+            try:
+                return weakref.ref(node)
+            except TypeError:  # pragma: no cover - every autograd node we have seen takes weak references
+                return None
+    return None
 
 
 def storage_of(t: torch.Tensor) -> tuple[int, int]:

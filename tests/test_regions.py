@@ -47,6 +47,25 @@ def test_later_runs_new_gradients_stay_through_earlier_backwards_unless_accumula
     assert fresh[(0, "backward")] - held[(0, "backward")] == 70
 
 
+def test_runs_sharing_parameters_leave_their_gradient_from_the_last_ones_backward():
+    """One model called on two views before one backward: both runs read the weights w (60 bytes of gradient)
+    and v (10). The second run's backward runs first and leaves both gradients; the first run's backward then
+    makes its own on top (counted in its curve) and adds them in. Counted at the first run, as it was, the
+    gradients were missing from the first run's backward."""
+    sizes = {"w": 60, "v": 10}
+    views = [Run(fp=fp(100, 100), own_bytes=0, makes=((("out", k, 0), 4, False),), new_grad_bytes=70,
+                 grad_ids=frozenset(sizes), grad_sizes=sizes) for k in range(2)]
+    got = phases(Step(persistent_bytes=0, runs=tuple(views)))
+    assert got[(1, "backward")] == 100  # its curve holds the gradients it makes
+    # the second run's gradients and its own curve; the second run's output the caller holds in, its own out
+    assert got[(0, "backward")] == 70 + 100 + 4 - 4
+    # a third run that reads only w besides a new weight u (5): only u's gradient is new when it is done
+    third = Run(fp=fp(100, 100), own_bytes=0, makes=((("out", 2, 0), 4, False),), new_grad_bytes=65,
+                grad_ids=frozenset({"w", "u"}), grad_sizes={"w": 60, "u": 5})
+    got = phases(Step(persistent_bytes=0, runs=(views[0], third)))
+    assert got[(0, "backward")] == 65 + 100 + 4 - 4
+
+
 def replace_grads(run: Run, nbytes: int) -> Run:
     from dataclasses import replace
 
