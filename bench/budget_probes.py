@@ -23,8 +23,8 @@ trains N times over its batches and the verdict is on the last round: a step kar
 
 Cases: every zoo model at tiny size (``zoo:<name>``) and probe models of our own (``ProbeCase``): a residual
 CNN, DenseNet-, MobileNet- and ViT-style models, a small transformer LM, a model that updates views in place,
-HF T5, an activation-heavy MLP trained with gradient accumulation, blocks with a graph break each, and a
-batch that changes size or layout mid-run.
+HF T5, an activation-heavy MLP trained with gradient accumulation and called on pieces of a batch before one
+backward, blocks with a graph break each, and a batch that changes size or layout mid-run.
 
 A budget the planner refuses raises ``InfeasibleBudgetError`` naming the smallest total that works; the case is
 then run again at that total, which must hold too (``named`` rows).
@@ -215,6 +215,15 @@ class ProbeCase:
     build: Callable[[], tuple[nn.Module, list[Batch], Callable[[Any, Any], torch.Tensor]]]
     accumulate: int = 1
     what: str = ""
+    pieces: int = 1
+    """The model is called on this many pieces of each micro-batch (its first argument) before one backward, and
+    its outputs concatenated: the calls are runs of one step."""
+
+
+def _forward(step: Callable, case: ProbeCase, args: tuple, kwargs: dict) -> Any:
+    if case.pieces == 1:
+        return step(*args, **kwargs)
+    return torch.cat([step(piece, *args[1:], **kwargs) for piece in args[0].chunk(case.pieces)])
 
 
 def _images(batch: int = 16) -> list[Batch]:
@@ -273,6 +282,9 @@ CASES: dict[str, ProbeCase] = {c.name: c for c in [
     ProbeCase("accumulate", lambda: (AccumulateMLP(), [((torch.randn(512, 64),), {}, torch.randint(0, 8, (512,)))
                                                        for _ in range(8)], lambda o, t: _classify(o, t) / 4),
               accumulate=4, what="MLP, 4 micro-batches per update"),
+    ProbeCase("pieces", lambda: (AccumulateMLP(), [((torch.randn(512, 64),), {}, torch.randint(0, 8, (512,)))
+                                                   for _ in range(4)], _classify),
+              pieces=4, what="MLP called on 4 pieces of a batch before one backward"),
     ProbeCase("graph-breaks", lambda: (BrokenStack(), [((torch.randn(128, 64),), {}, None)] * 4,
                                        lambda out, _: out.square().mean()), what="6 blocks, a graph break each"),
     ProbeCase("new-batch", _changing_batch, what="batch 256, then 512, then 512 transposed"),
@@ -350,10 +362,10 @@ def run_case(case: ProbeCase, door: str, budget: Any, rounds: int = 1) -> Outcom
             args, kwargs, target = batch
             gc.collect()
             if i % 2 == 0:
-                loss_fn(step(*args, **kwargs), target).backward()
+                loss_fn(_forward(step, case, args, kwargs), target).backward()
             else:
                 with AllocatorPeak(_held(model, batch)) as meter:
-                    loss_fn(step(*args, **kwargs), target).backward()
+                    loss_fn(_forward(step, case, args, kwargs), target).backward()
                 last = i >= len(batches) * (rounds - 1)
                 (out.steady_bytes if last else out.earlier_bytes).append(meter.peak_bytes)
             if (i + 1) % case.accumulate == 0:
