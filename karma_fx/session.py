@@ -449,6 +449,7 @@ class Session:
                 if runs != len(self._calls):  # counted with runs that did not come (a step before had more)
                     whole = self._sequence_peak([replace(c.view, fp=self._keep(c.region).fp) for c in self._calls],
                                                 self._calls, margin=False)
+                    self._between.remeasured = True  # and its budget with them: the next step chooses again
                 if not self._between.unknown(self._signature()):
                     self._firm_unplanned = max(self._firm_unplanned, whole)
                 self._guessed_unplanned = max(self._guessed_unplanned, whole)

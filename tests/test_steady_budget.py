@@ -372,10 +372,11 @@ def test_calls_whose_graphs_are_dropped_begin_new_steps(door):
         out = step(x)
         del out
         assert len(session()._calls) == 1
-    for _ in range(3):  # the loop's last loss still held during the next call: two runs at most
+    for _ in range(4):  # the loop's last loss still held during the next call: two runs at most (the last two)
         loss = F.cross_entropy(step(x), y)
         assert len(session()._calls) <= 2
     del loss
-    model.zero_grad(set_to_none=True)
-    F.cross_entropy(step(x), y).backward()
-    assert session().budget_bytes <= trained  # (it may come down once, the code after the forward measured)
+    for _ in range(3):  # (it may come down once, the code after the forward measured)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(step(x), y).backward()
+    assert session().budget_bytes <= trained  # steps after one expected to run twice choose again
