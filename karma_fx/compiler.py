@@ -173,8 +173,8 @@ class KarmaModule(nn.Module):
         params, buffers, devices = self._weights(session)
         _check_runnable(devices, args, kwargs)
         self._recompile_if_parameters_changed(params)
-        if session.step_over():  # a call before the last one's backward is another run of the same step
-            session.begin_step((params, buffers), outside=True)
+        if torch.is_grad_enabled() and session.step_over():  # a call before the last one's backward is
+            session.begin_step((params, buffers), outside=True)  # another run of the same step; no_grad, none
         # Each compiled module has its own backend, so Dynamo keeps one cache entry per module on the model
         # class's code; past its recompile limit it would run the model eagerly, unplanned, without a word.
         # Raised by hand for the call, not with ``config.patch``: that builds a class on every call, a quarter

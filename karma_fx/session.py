@@ -133,6 +133,8 @@ class Session:
         self._graphs: list[Any] = []
         """Per run of this step, a weak reference to the autograd graph its outputs hang on (``None``: none
         of them needs a gradient): a graph gone with no backward is a step given up (``step_over``)."""
+        self._given_up = [False]
+        """Set by those references' callbacks when a graph of this step is gone (a new cell each step)."""
         self._between = Between()
         self._margins = Margins()
         self.twin_maker: Callable[[Region, list[Any]], list[Region]] | None = None
@@ -172,15 +174,20 @@ class Session:
         raw backend when a run follows a backward, with that run's inputs (``first_run``)."""
         self._between.finish()
         measure = self._measure_step(outside)
-        if self._calls:
+        if self._calls and self._saw_backward:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
                 self._previous_batch = sum(self._batch.values())
+        elif self._calls and self.config.budget.fraction is not None and (self._firm_unplanned
+                                                                          or self._guessed_unplanned):
+            # a step given up (``step_over``) is not the step the next one repeats, nor what a fraction is of
+            self._unplanned_bytes = self._firm_unplanned or self._guessed_unplanned
+            self.budget_bytes = self.config.budget.resolve(self._unplanned_bytes)
         begun = self._begin_weights or {}  # what the step held when it began, and what its runs read besides:
         grown = {p: b for p, b in self._weights.items() if b > begun.get(p, 0)} if self._viewed else None
         self._viewed = False
         self._calls, self._made, self._batch = [], {}, {}
-        self._graphs, self._this_unplanned = [], (0, 0)
+        self._graphs, self._given_up, self._this_unplanned = [], [False], (0, 0)
         self._saw_backward = False
         self._started = True
         if tensors is None:
@@ -303,6 +310,7 @@ class Session:
         profiler session left open past the step (``GapMeter``) crashed the process at exit, after the caller
         had caught the error (2026-12-02, torch 2.13: a refused budget caught, then a segmentation fault)."""
         self._between.finish()
+        self._calls, self._graphs, self._started = [], [], False  # given up: the next run begins a step
 
     def _weights_of(self, tensors: tuple[list[Any], list[Any]]) -> dict[int, int]:
         """Storage -> bytes of these weights and buffers: read again only when the lists are not the ones read
@@ -347,7 +355,8 @@ class Session:
         """The previous step's peak if this one repeats it, as the ledger counts it now (cached while what it
         depends on stays: the same runs and variants, the same persistent bytes)."""
         assert self._previous is not None
-        key = (tuple(id(c.variant) for c in self._previous), self._persistent_bytes(),
+        key = (tuple(id(c.variant) for c in self._previous), tuple(id(c.view) for c in self._previous),
+               self._persistent_bytes(),
                self._margins.of(self._signature(self._previous)))
         if self._previous_peak_cache is None or self._previous_peak_cache[0] != key:
             peak = self._sequence_peak([c.view for c in self._previous], self._previous)
@@ -380,11 +389,11 @@ class Session:
         computed from them dropped: an evaluation with gradients on). Otherwise runs are one step, whichever
         door they come through: what each saves is held until the backward (a model called on two views of a
         batch, or on pieces of it, before one ``loss.backward()``), so they share the budget."""
-        return self._saw_backward or not self._started or any(g is not None and g() is None for g in self._graphs)
+        return self._saw_backward or not self._started or self._given_up[0]
 
     def run(self, region: Region, args: list[Any], compile_variant: Callable[[Region, Plan | None, list], Variant]
             ) -> Any:
-        if self.step_over():
+        if torch.is_grad_enabled() and self.step_over():  # (an inference call is no step)
             self.begin_step(first_run=args)
         self._between.run_starts(len(self._calls))
         if region.prepared is not None and region.scratch_unmeasured and not _profiling():
@@ -420,7 +429,7 @@ class Session:
         learning = self._between.caller_keeps(self._signature()) is None
         out = variant.fn(*args)
         self._between.run_returned(k, out, learning)
-        self._graphs.append(_graph_of(out))
+        self._graphs.append(_graph_of(out, self._given_up))
         for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):
                 pointer, nbytes = storage_of(t)
@@ -830,16 +839,20 @@ class _RegionWeights:
     """The positions of its other tensor inputs (the batch, activations from earlier runs)."""
 
 
-def _graph_of(out: Any) -> Any:
-    """A weak reference to the autograd node of a run's first output that has one (the compiled function's
-    backward: alive while anything computed from the outputs may still be backpropagated), or ``None``."""
+def _graph_of(out: Any, gone: list[bool]) -> Any:
+    """A weak reference to the autograd node of a run's first output that takes one (the compiled function's
+    backward: alive while anything computed from the outputs may still be backpropagated), which sets
+    ``gone[0]`` when the node goes; ``None`` where there is none."""
+    def went(_: Any) -> None:
+        gone[0] = True
+
     for t in out if isinstance(out, (list, tuple)) else (out,):
         node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
         if node is not None:
             try:
-                return weakref.ref(node)
-            except TypeError:  # pragma: no cover - every autograd node we have seen takes weak references
-                return None
+                return weakref.ref(node, went)
+            except TypeError:  # a C++ node (an output that is a view of an input): try the next output
+                continue
     return None
 
 

@@ -48,22 +48,25 @@ def test_later_runs_new_gradients_stay_through_earlier_backwards_unless_accumula
 
 
 def test_runs_sharing_parameters_leave_their_gradient_from_the_last_ones_backward():
-    """One model called on two views before one backward: both runs read the weights w (60 bytes of gradient)
-    and v (10). The second run's backward runs first and leaves both gradients; the first run's backward then
-    makes its own on top (counted in its curve) and adds them in. Counted at the first run, as it was, the
-    gradients were missing from the first run's backward."""
+    """One model called on three pieces before one backward: every run reads the weights w (60 bytes of
+    gradient) and v (10), and each says so (as the session builds them). The last run's backward runs first and
+    leaves both gradients; each earlier run's backward makes its own on top (counted in its curve) and adds them
+    in, leaving nothing new. Counted once per run, the first run's backward held 70 bytes too many; counted at
+    the first run only (as it was), every backward but the last lacked them."""
     sizes = {"w": 60, "v": 10}
-    views = [Run(fp=fp(100, 100), own_bytes=0, makes=((("out", k, 0), 4, False),), new_grad_bytes=70,
-                 grad_ids=frozenset(sizes), grad_sizes=sizes) for k in range(2)]
-    got = phases(Step(persistent_bytes=0, runs=tuple(views)))
-    assert got[(1, "backward")] == 100  # its curve holds the gradients it makes
-    # the second run's gradients and its own curve; the second run's output the caller holds in, its own out
+    views = tuple(Run(fp=fp(100, 100), own_bytes=0, makes=((("out", k, 0), 4, False),), new_grad_bytes=70,
+                      grad_ids=frozenset(sizes), grad_sizes=sizes) for k in range(3))
+    got = phases(Step(persistent_bytes=0, runs=views))
+    assert got[(2, "backward")] == 100  # its curve holds the gradients it makes
+    # the last run's gradients and its own curve; the last run's output the caller holds in, its own output out
+    assert got[(1, "backward")] == 70 + 100 + 4 - 4
     assert got[(0, "backward")] == 70 + 100 + 4 - 4
-    # a third run that reads only w besides a new weight u (5): only u's gradient is new when it is done
+    # a last run that reads only w besides a new weight u (5): v's gradient is left by the first run's backward
     third = Run(fp=fp(100, 100), own_bytes=0, makes=((("out", 2, 0), 4, False),), new_grad_bytes=65,
                 grad_ids=frozenset({"w", "u"}), grad_sizes={"w": 60, "u": 5})
-    got = phases(Step(persistent_bytes=0, runs=(views[0], third)))
-    assert got[(0, "backward")] == 65 + 100 + 4 - 4
+    got = phases(Step(persistent_bytes=0, runs=(views[0], views[1], third)))
+    assert got[(1, "backward")] == 65 + 100 + 4 - 4
+    assert got[(0, "backward")] == 65 + 10 + 100 + 4 - 4
 
 
 def replace_grads(run: Run, nbytes: int) -> Run:

@@ -380,3 +380,41 @@ def test_calls_whose_graphs_are_dropped_begin_new_steps(door):
         model.zero_grad(set_to_none=True)
         F.cross_entropy(step(x), y).backward()
     assert session().budget_bytes <= trained  # steps after one expected to run twice choose again
+
+
+@pytest.mark.parametrize("door", ["compile", "backend"])
+def test_evaluating_under_no_grad_between_steps_changes_nothing(door):
+    """An evaluation under ``torch.no_grad()`` after each update (a larger batch) is no step: the training
+    steps after it neither inherit what it held nor count its allocations. Begun at the evaluation's call, the
+    training step once counted gradients zeroed since as held and a 7 MiB margin, and was refused at 0.9."""
+    model = _mlp()
+    x, y = torch.randn(256, 32), torch.randint(0, 8, (256,))
+    big = torch.randn(4096, 32)
+    step, session = _compiled(model, door, 0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    budgets = []
+    for _ in range(6):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(step(x), y).backward()
+        opt.step()
+        budgets.append(session().budget_bytes)
+        with torch.no_grad():
+            step(big).sum().item()
+    assert budgets[-1] <= budgets[1], budgets
+
+
+def test_a_refused_call_leaves_the_next_steps_to_themselves():
+    """A batch refused (the error caught) is a step given up: the next calls, with a batch that fits, train."""
+    probe = karma_fx.compile(_mlp(), budget="4KiB")
+    x, y = torch.randn(64, 32), torch.randint(0, 8, (64,))
+    with pytest.raises(InfeasibleBudgetError) as info:
+        F.cross_entropy(probe(x), y).backward()
+    torch._dynamo.reset()
+    model = _mlp()
+    step = karma_fx.compile(model, budget=int(1.3 * info.value.min_budget_bytes))
+    with pytest.raises(InfeasibleBudgetError):
+        F.cross_entropy(step(torch.randn(2048, 32)), torch.randint(0, 8, (2048,))).backward()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(step(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())
