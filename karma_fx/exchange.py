@@ -192,6 +192,17 @@ class GradientPipeline:
                                  "the model anew) after adding or replacing parameters")
             self._expected[slot] = self._expected.get(slot, 0) + 1
 
+    def unexpect(self, param_ids: list[int]) -> None:
+        """Take back a forward run's ``expect`` (by the ids of the parameters it announced): its outputs were
+        dropped with no backward (an evaluation with gradients on), so its gradients will never come."""
+        for pid in param_ids:
+            slot = self._slot.get(pid)
+            if slot is not None and slot in self._expected:
+                self._expected[slot] -= 1
+                if self._expected[slot] <= 0:
+                    del self._expected[slot]
+                    self._partial.pop(slot, None)
+
     # ---- during backward --------------------------------------------------------------------------
     def ready(self, grad: torch.Tensor, param: torch.Tensor) -> None:
         self._check_open()

@@ -135,6 +135,9 @@ class Session:
         of them needs a gradient): a graph gone with no backward is a step given up (``step_over``)."""
         self._given_up = [False]
         """Set by those references' callbacks when a graph of this step is gone (a new cell each step)."""
+        self._announced: list[list[int]] = []
+        """The ids of the parameters each run of this step announced to the gradient pipeline (``GradientPipeline.expect``):
+        taken back if the step is given up, whose backward will never report them."""
         self._between = Between()
         self._margins = Margins()
         self.twin_maker: Callable[[Region, list[Any]], list[Region]] | None = None
@@ -178,8 +181,10 @@ class Session:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
                 self._previous_batch = sum(self._batch.values())
-        elif self._calls and self.config.budget.fraction is not None and (self._firm_unplanned
-                                                                          or self._guessed_unplanned):
+        elif self._calls:
+            self._take_back_announced()
+        if self._calls and not self._saw_backward and self.config.budget.fraction is not None and (
+                self._firm_unplanned or self._guessed_unplanned):
             # a step given up (``step_over``) is not the step the next one repeats, nor what a fraction is of
             self._unplanned_bytes = self._firm_unplanned or self._guessed_unplanned
             self.budget_bytes = self.config.budget.resolve(self._unplanned_bytes)
@@ -187,7 +192,7 @@ class Session:
         grown = {p: b for p, b in self._weights.items() if b > begun.get(p, 0)} if self._viewed else None
         self._viewed = False
         self._calls, self._made, self._batch = [], {}, {}
-        self._graphs, self._given_up, self._this_unplanned = [], [False], (0, 0)
+        self._graphs, self._given_up, self._this_unplanned, self._announced = [], [False], (0, 0), []
         self._saw_backward = False
         self._started = True
         if tensors is None:
@@ -310,7 +315,16 @@ class Session:
         profiler session left open past the step (``GapMeter``) crashed the process at exit, after the caller
         had caught the error (2026-12-02, torch 2.13: a refused budget caught, then a segmentation fault)."""
         self._between.finish()
+        self._take_back_announced()
         self._calls, self._graphs, self._started = [], [], False  # given up: the next run begins a step
+
+    def _take_back_announced(self) -> None:
+        """A step given up: the gradient pipeline stops waiting for the gradients its runs announced (it kept
+        every later backward's as partial sums, and the weights never updated)."""
+        if self.pipeline is not None:
+            for ids in self._announced:
+                self.pipeline.unexpect(ids)
+        self._announced = []
 
     def _weights_of(self, tensors: tuple[list[Any], list[Any]]) -> dict[int, int]:
         """Storage -> bytes of these weights and buffers: read again only when the lists are not the ones read
@@ -424,7 +438,9 @@ class Session:
         assert view is not None
         self._calls.append(_Call(region, variant, view if view.fp is variant.fp else replace(view, fp=variant.fp)))
         if self.pipeline is not None and variant.grad_params:
-            self.pipeline.expect([args[i] for i in variant.grad_params])
+            announced = [args[i] for i in variant.grad_params]
+            self.pipeline.expect(announced)
+            self._announced.append([id(p) for p in announced])  # (ids: the session holds no parameter)
         k = len(self._calls) - 1
         learning = self._between.caller_keeps(self._signature()) is None
         out = variant.fn(*args)

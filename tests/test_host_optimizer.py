@@ -169,3 +169,28 @@ def test_a_backward_that_outlives_its_closed_pipeline_says_so():
         pipeline.expect([])
     assert pipeline.params == [] and pipeline.optimizer is None
     pipeline.close()  # twice is fine
+
+
+def test_a_forward_dropped_without_backward_is_forgotten_by_the_pipeline():
+    """A call with gradients on whose output is dropped (an evaluation that forgot ``no_grad``) announced
+    gradients that never come: the pipeline takes them back when the next step begins. It waited for them, kept
+    every later backward's gradients as partial sums, and the weights never updated again, without a word."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    reference = copy.deepcopy(model)
+    step = karma_fx.compile(model, budget=1.0, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(64, 32), torch.randint(0, 8, (64,))
+    for i in range(5):
+        if i == 2:
+            step(x)  # its output dropped at once
+        F.cross_entropy(step(x), y).backward()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+    step.optimizer  # waits for the updates
+    assert not step.pipeline._expected
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
