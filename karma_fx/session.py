@@ -136,8 +136,8 @@ class Session:
         self._given_up = [False]
         """Set by those references' callbacks when a graph of this step is gone (a new cell each step)."""
         self._announced: list[list[int]] = []
-        """The ids of the parameters each run of this step announced to the gradient pipeline (``GradientPipeline.expect``):
-        taken back if the step is given up, whose backward will never report them."""
+        """The ids of the parameters each run of this step announced to the gradient pipeline
+        (``GradientPipeline.expect``): taken back if the step is given up, whose backward will never report them."""
         self._between = Between()
         self._margins = Margins()
         self.twin_maker: Callable[[Region, list[Any]], list[Region]] | None = None
