@@ -181,13 +181,11 @@ class Session:
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
                 self._previous_batch = sum(self._batch.values())
-        elif self._calls:
-            self._take_back_announced()
-        if self._calls and not self._saw_backward and self.config.budget.fraction is not None and (
-                self._firm_unplanned or self._guessed_unplanned):
-            # a step given up (``step_over``) is not the step the next one repeats, nor what a fraction is of
-            self._unplanned_bytes = self._firm_unplanned or self._guessed_unplanned
-            self.budget_bytes = self.config.budget.resolve(self._unplanned_bytes)
+        elif self._calls:  # a step given up (``step_over``): not the step the next one repeats, nor what a
+            self._take_back_announced()  # fraction is of
+            if self.config.budget.fraction is not None and (self._firm_unplanned or self._guessed_unplanned):
+                self._unplanned_bytes = self._firm_unplanned or self._guessed_unplanned
+                self.budget_bytes = self.config.budget.resolve(self._unplanned_bytes)
         begun = self._begin_weights or {}  # what the step held when it began, and what its runs read besides:
         grown = {p: b for p, b in self._weights.items() if b > begun.get(p, 0)} if self._viewed else None
         self._viewed = False
