@@ -43,6 +43,7 @@ from karma_fx.regions import Footprint, Run, Step
 from karma_fx.run_choice import Candidate, choose_plan
 from karma_fx.strategies import DEFAULT_STRATEGY
 from karma_fx.runtime import host_pool
+from karma_fx.unused_grads import OutputWatch
 from karma_fx.variants import Region, Variant, keep_variant, leanest_variant, planned_variant
 
 log = logging.getLogger("karma_fx.session")
@@ -140,6 +141,8 @@ class Session:
         (``GradientPipeline.expect``): taken back if the step is given up, whose backward will never report them."""
         self._between = Between()
         self._margins = Margins()
+        self._outputs = OutputWatch()
+        """What the backwards gave each large output of a region: those never differentiated are detached."""
         self.twin_maker: Callable[[Region, list[Any]], list[Region]] | None = None
         """Traces a region with its loss head chunked (set by ``karma_fx.backend.KarmaBackend``)."""
         self._fresh_runs = 0
@@ -178,6 +181,7 @@ class Session:
         self._between.finish()
         measure = self._measure_step(outside)
         if self._calls and self._saw_backward:
+            self._detach_unused()
             self._previous = self._calls
             if self._batch:  # a replayed step reads no batch: the same shapes as the one it replays
                 self._previous_batch = sum(self._batch.values())
@@ -442,8 +446,9 @@ class Session:
         k = len(self._calls) - 1
         learning = self._between.caller_keeps(self._signature()) is None
         out = variant.fn(*args)
-        self._between.run_returned(k, out, learning)
         self._graphs.append(_graph_of(out, self._given_up))
+        out = self._outputs.returned(region, out, lambda: self._as_written_again(region))
+        self._between.run_returned(k, out, learning)
         for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):
                 pointer, nbytes = storage_of(t)
@@ -490,6 +495,34 @@ class Session:
             return False
         losses = (torch.nn.functional.cross_entropy, torch._C._nn.cross_entropy_loss)
         return any(n.op == "call_function" and n.target in losses for n in region.gm.graph.nodes)
+
+    def _detach_unused(self) -> None:
+        """After a step's backward: trace again, with those outputs detached, each region that returned a large
+        output no backward has differentiated (``karma_fx.unused_grads``). The next step chooses its plans anew."""
+        from karma_fx.passes.unused_outputs import detach_outputs
+
+        for region in {id(c.region): c.region for c in self._calls}.values():
+            positions = () if region.detached or region.as_written_only else self._outputs.unused(region.index)
+            if positions:
+                region.as_written = region.gm
+                region.gm = detach_outputs(region.gm, positions)
+                region.detached = positions
+                self._forget(region)
+                self._between.remeasured = True
+                log.info("karma_fx: region %d returns output(s) %s detached: no backward differentiated them",
+                         region.index, list(positions))
+
+    def _as_written_again(self, region: Region) -> str:
+        """A backward differentiated an output ``region`` returns detached: the step fails (the guard raises),
+        and the region is traced as written from its next run on. Returns what the error names."""
+        where = f"output {list(region.detached)} of compiled region {region.index}"
+        if region.as_written is not None:
+            region.gm, region.as_written = region.as_written, None
+        region.detached, region.as_written_only = (), True
+        self._forget(region)
+        self._between.remeasured = True
+        self.step_failed()
+        return where
 
     def _forget(self, region: Region) -> None:
         region.prepared, region.variants, region.leanest, region.keep = None, [], None, None

@@ -70,6 +70,13 @@ class Region:
     """The session's budget in bytes when this region last ran (a fraction grows with the step)."""
     planned_at: list[int] = field(default_factory=list)
     """The targets this region was planned at (a region is not planned twice at about the same target)."""
+    detached: tuple[int, ...] = ()
+    """Its outputs returned detached (``gm`` is then the graph as written with those outputs detached): no
+    backward of earlier steps gave them a gradient (``karma_fx.unused_grads``)."""
+    as_written: "fx.GraphModule | None" = field(default=None, repr=False)
+    """The graph Dynamo gave, where ``gm`` detaches outputs."""
+    as_written_only: bool = False
+    """A backward differentiated an output once returned detached: the region stays as written."""
 
     @functools.cached_property
     def weight_positions(self) -> tuple[int, ...]:

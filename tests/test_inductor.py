@@ -1455,3 +1455,35 @@ def test_a_rebuilt_gelu_runs_in_one_kernel_with_its_backward(joined, monkeypatch
     assert bool(both) == joined, sorted(kernels)
     model.zero_grad(set_to_none=True)
     assert_measured_within_plan(model, compiled, (x,), {}, loss=lambda out: out)
+
+
+def test_logits_beside_the_loss_are_detached_under_inductor_and_the_step_equals_eager():
+    """An HF-style (loss, logits) output under Inductor: after the first step the logits are returned detached
+    (``karma_fx.unused_grads``), their zero gradient and the head's backward on it gone; every step equals eager."""
+    class LossAndLogits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mid, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 512, bias=False)
+
+        def forward(self, x, y):
+            logits = self.head(torch.tanh(self.mid(x)))
+            return torch.nn.functional.cross_entropy(logits, y), logits
+
+    model = LossAndLogits()
+    ref = copy.deepcopy(model)
+    step = karma_fx.compile(model, budget=1.0, compiler="inductor")
+    x, y = torch.randn(256, 16), torch.randint(0, 512, (256,))
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss, logits = step(x, y)
+        loss.backward()
+        loss_ref, logits_ref = ref(x, y)
+        loss_ref.backward()
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert step._session.regions[0].detached == (1,)
+    _, bw = step._session.regions[0].graphs
+    assert not [n for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")][1:]

@@ -1,0 +1,112 @@
+"""An output no backward differentiates (a language model's logits beside its loss) is detached after the first
+step: no zero gradient of its size, no backward branch run on one, as eager autograd. Trained as eager, both
+doors; a loss that later differentiates it raises once, then trains as written."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import karma_fx
+from karma_fx.errors import KarmaError
+from karma_fx.measure_run import AllocatorPeak
+from karma_fx.passes.unused_outputs import detach_outputs
+
+
+class LossAndLogits(nn.Module):
+    """Returns (loss, logits), as a HuggingFace language model given labels does."""
+
+    def __init__(self, d: int = 32, vocab: int = 2048) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mid = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(torch.tanh(self.mid(self.emb(ids))))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def _door(model, door):
+    if door == "compile":
+        step = karma_fx.compile(model, budget=1.0)
+        return step, lambda: step._session
+    from karma_fx.backend import _sessions
+
+    options = {"budget": 1.0}
+    return torch.compile(model, backend="karma", options=options, dynamic=False), lambda: _sessions[id(options)]
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 2048, (4, 64), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("door", ["compile", "backend"])
+def test_logits_no_loss_differentiates_are_detached_and_training_equals_eager(door):
+    model = LossAndLogits()
+    ref = copy.deepcopy(model)
+    step, session = _door(model, door)
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    logits_bytes = 4 * 64 * 2048 * 4
+    peaks = []
+    for i, ids in enumerate(_batches(5)):
+        opt.zero_grad(set_to_none=True)
+        opt_ref.zero_grad(set_to_none=True)
+        with AllocatorPeak(model.parameters(), ids) as meter:
+            loss, logits = step(ids, ids)  # the logits held through the backward, as `outputs` would be
+            loss.backward()
+        peaks.append(meter.peak_bytes)
+        loss_ref, logits_ref = ref(ids, ids)
+        loss_ref.backward()
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(logits, logits_ref, rtol=1e-6, atol=1e-6)
+        assert logits.requires_grad  # as eager's
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        opt.step()
+        opt_ref.step()
+    regions = session().regions
+    assert [r.detached for r in regions] == [(1,)]
+    # the first step ran the logits' branch on a materialized zero gradient; the later ones do not hold it
+    assert peaks[-1] <= peaks[0] - logits_bytes
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_that_later_differentiates_the_logits_raises_once_then_trains_as_written():
+    model = LossAndLogits()
+    ref = copy.deepcopy(model)
+    step = karma_fx.compile(model, budget=1.0)
+    ids = _batches(1)[0]
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        step(ids, ids)[0].backward()
+    assert step._session.regions[0].detached == (1,)
+    model.zero_grad(set_to_none=True)
+    loss, logits = step(ids, ids)
+    with pytest.raises(KarmaError, match="got a gradient in this backward.*zero the gradients and run this step again"):
+        (loss + logits.square().mean()).backward()
+    assert all(p.grad is None for p in model.parameters())  # nothing of the failed step reached a gradient
+    for _ in range(2):  # the region as written: the logits' gradient counts, as in eager
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss, logits = step(ids, ids)
+        (loss + logits.square().mean()).backward()
+        loss_ref, logits_ref = ref(ids, ids)
+        (loss_ref + logits_ref.square().mean()).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    assert step._session.regions[0].detached == () and step._session.regions[0].as_written_only
+
+
+def test_detach_outputs_returns_the_same_values_without_their_gradient():
+    gm = torch.fx.symbolic_trace(lambda x: (x.sin().sum(), x.cos()))
+    x = torch.randn(5, requires_grad=True)
+    out = detach_outputs(gm, (1,))(x)
+    torch.testing.assert_close(out[1], x.cos())
+    assert out[0].requires_grad and not out[1].requires_grad
+    assert gm(x)[1].requires_grad  # the graph given is not changed
