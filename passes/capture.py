@@ -67,7 +67,8 @@ class _StepModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, fake_params: dict[str, torch.Tensor], fake_buffers: dict[str, torch.Tensor],
-                 spec: pytree.TreeSpec, leaves: list[Any], tensor_slots: list[int], loss_only: bool) -> None:
+                 spec: pytree.TreeSpec, leaves: list[Any], tensor_slots: list[int], loss_only: bool,
+                 detach_rest: bool = False) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)
         self._names: dict[str, str] = {}
@@ -84,6 +85,7 @@ class _StepModule(nn.Module):
         self._leaves = leaves
         self._tensor_slots = tensor_slots
         self._loss_only = loss_only
+        self._detach_rest = detach_rest
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self._leaves)
@@ -92,7 +94,11 @@ class _StepModule(nn.Module):
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
         state = {name: getattr(self, slot) for name, slot in self._names.items()}
         out = torch.func.functional_call(self._model, state, tuple(args), kwargs, tie_weights=True, strict=False)
-        return _flatten_outputs(out, self._loss_only)
+        flat = _flatten_outputs(out, self._loss_only)
+        if self._detach_rest:  # the outputs beside the loss, as compile returns them once a backward showed
+            loss = _loss_of(out)  # that the loss alone is differentiated (``karma_fx.unused_grads``)
+            flat = tuple(t if t is loss else t.detach() for t in flat)
+        return flat
 
 
 def _fresh(head: Any) -> Any:
@@ -166,9 +172,11 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
     ``None``: its default size; ``0``: as the model computes it). ``CapturedStep.loss_chunk`` says which.
 
     Every tensor output that requires grad is differentiated, with its incoming gradient as a ``tangents_*``
-    input: exactly what ``torch.compile`` (and so ``karma_fx.compile``) runs. A HuggingFace model given
-    ``labels`` returns its logits beside the loss, and the compiled backward receives a (zero) gradient for
-    them too even when only ``loss.backward()`` is called, so the plan counts that memory as the run needs it.
+    input, except beside a loss: a model that returns one (a HuggingFace model given ``labels``, whose logits
+    come with it) is trained by ``loss.backward()``, and its other outputs are traced detached, as
+    ``karma_fx.compile`` runs them once the first backward showed them undifferentiated (``torch.compile``
+    instead fills their gradients with zeros of their size and runs their backward on them:
+    ``karma_fx.passes.unused_outputs``).
     """
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -214,7 +222,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = 
             call_leaves[slot] = t
         a, k = pytree.tree_unflatten(call_leaves, spec)
         raw_out = torch.func.functional_call(model, state, tuple(a), k, tie_weights=True, strict=False)
-    step = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=False)
+    step = _StepModule(model, fake_params, fake_buffers, spec, leaves, tensor_slots, loss_only=False,
+                       detach_rest=_has_loss(raw_out))
     names = [f"output[{i}]" for i in range(len(_flatten_outputs(raw_out, False)))]
     if _has_loss(raw_out) and names:
         names[0] = "loss"
