@@ -21,7 +21,9 @@ machine; their ratio within one process does not). One more row sets karma at ``
 refused naming the smallest total; karma is trained and measured at it).
 
 Models: a 4-layer d=512 GPT at sequence 512 (batch 2, vocab 2048), a 4-layer d=256 GPT with a vocabulary of 8192
-(its loss head dominates: the logits alone are 32 MiB), a ResNet-18 (basic blocks [2, 2, 2, 2], width 64) on 64x64
+(its loss head dominates: the logits alone are 32 MiB), the same shape as a HuggingFace GPT-2 (which returns its
+logits beside the loss: ``torch.compile`` gives them a zero gradient and runs the head's backward on it, karma from
+its second step does not: ``karma_fx.unused_grads``), a ResNet-18 (basic blocks [2, 2, 2, 2], width 64) on 64x64
 images, batch 32, and a probe, a two-pass residual MLP (d=128, batch 8x256). Every configuration gets a fresh model
 and a reset Dynamo, is run twice (compile, then a steady-state step that fills any host-buffer pool), timed over
 ``--steps`` steps (median; the fastest is shown too, a hint of how much other work on the machine disturbed them),
@@ -161,6 +163,10 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, tuple, dict]]] = {
     # the loss head's cell (issue: a medium decoder with a vocabulary of 8k or more): its logits are 32 MiB
     "gpt-4x256-v8k": lambda: build("megatron_gpt", "tiny", batch=2, seq=512, layers=4, hidden=256, heads=4,
                                    vocab=8192),
+    # a HuggingFace decoder: it returns its logits beside the loss, whose zero gradient torch.compile materializes
+    # and runs the head's backward on (karma detaches them after the first step: ``karma_fx.unused_grads``)
+    "hf-gpt2-v8k": lambda: build("gpt2", "tiny", batch=2, seq=512, layers=4, hidden=256, heads=4, vocab=8192,
+                                 dropout=0.0),
     "resnet18-64px": resnet18,
     "mlp-2pass": two_pass_mlp,  # a probe: pointwise ops Inductor fuses (``TwoPassMLP``)
     "mlp-tiny": lambda: build("mlp", "tiny"),  # a quick check of the bench itself, not a comparison
