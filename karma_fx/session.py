@@ -414,6 +414,9 @@ class Session:
         self._between.run_starts(len(self._calls))
         if region.prepared is not None and region.scratch_unmeasured and not _profiling():
             self._forget(region)  # planned under a profiler: measure its scratch and plan it again now
+        if region.retrace:  # its graph changed (``_detach_unused``): traced and planned again now
+            region.retrace = False
+            self._forget(region)
         if region.inference_fn is not None:  # an inference graph (nothing saved), compiled at its first run
             return region.inference_fn(*args)
         if region.prepared is None:
@@ -497,18 +500,23 @@ class Session:
         return any(n.op == "call_function" and n.target in losses for n in region.gm.graph.nodes)
 
     def _detach_unused(self) -> None:
-        """After a step's backward: trace again, with those outputs detached, each region that returned a large
-        output no backward has differentiated (``karma_fx.unused_grads``). The next step chooses its plans anew."""
+        """After a step's backward: trace again, with those outputs detached, each region that returned an output
+        no backward has differentiated (``karma_fx.unused_grads``). The next step chooses its plans anew, and the
+        unplanned step a fraction is of is that step's, learnt again. Not with a gradient pipeline (``optimizer=``,
+        ``data_parallel=``): it hands gradients over and updates during the backward, so a step whose guard
+        raised could not be taken back."""
         from karma_fx.passes.unused_outputs import detach_outputs
 
+        if self.pipeline is not None:
+            return
         for region in {id(c.region): c.region for c in self._calls}.values():
             positions = () if region.detached or region.as_written_only else self._outputs.unused(region.index)
             if positions:
                 region.as_written = region.gm
                 region.gm = detach_outputs(region.gm, positions)
-                region.detached = positions
-                self._forget(region)
+                region.detached, region.retrace = positions, True
                 self._between.remeasured = True
+                self._firm_unplanned = self._guessed_unplanned = 0
                 log.info("karma_fx: region %d returns output(s) %s detached: no backward differentiated them",
                          region.index, list(positions))
 
@@ -518,8 +526,7 @@ class Session:
         where = f"output {list(region.detached)} of compiled region {region.index}"
         if region.as_written is not None:
             region.gm, region.as_written = region.as_written, None
-        region.detached, region.as_written_only = (), True
-        self._forget(region)
+        region.detached, region.as_written_only, region.retrace = (), True, True
         self._between.remeasured = True
         self.step_failed()
         return where

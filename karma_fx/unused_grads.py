@@ -34,9 +34,11 @@ _ANCHOR = torch.zeros((), requires_grad=True)
 """A leaf that requires grad, so that a guarded output requires grad as it did before it was detached."""
 
 
-class _NoGradientExpected(torch.autograd.Function):
+class KarmaDetachedOutput(torch.autograd.Function):
     """The identity on an output the region returns detached; its backward runs only if a loss differentiates
-    that output, and then raises."""
+    that output, and then raises. What it returns is a view made in a custom function, which autograd does not let
+    be modified in place with gradients on (under ``torch.no_grad()`` it may be): a tensor of its own would need a
+    copy, and marking the output dirty would bump the version of what the backward saved of it."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor, on_used: Callable[[], str]) -> torch.Tensor:
@@ -49,7 +51,9 @@ class _NoGradientExpected(torch.autograd.Function):
         raise KarmaError(f"karma_fx: {where} got a gradient in this backward. The earlier steps' backwards gave it "
                          "none, so it was compiled without its backward (autograd would have filled its gradient "
                          "with zeros of its size and run its branch on them). It is compiled as written from its "
-                         "next call: zero the gradients and run this step again.")
+                         "next call. This backward stopped part way: gradients of compiled regions after it may "
+                         "already be accumulated, so zero the gradients and run this step again (with gradient "
+                         "accumulation, the micro-batches since the last update).")
 
 
 @dataclass
@@ -65,7 +69,7 @@ class OutputWatch:
         flat = list(out) if isinstance(out, (list, tuple)) else [out]
         if region.detached:
             for k in region.detached:
-                flat[k] = _NoGradientExpected.apply(flat[k], _ANCHOR, on_used)
+                flat[k] = KarmaDetachedOutput.apply(flat[k], _ANCHOR, on_used)
             return type(out)(flat) if isinstance(out, (list, tuple)) else flat[0]
         if region.as_written_only:
             return out

@@ -77,6 +77,9 @@ class Region:
     """The graph Dynamo gave, where ``gm`` detaches outputs."""
     as_written_only: bool = False
     """A backward differentiated an output once returned detached: the region stays as written."""
+    retrace: bool = False
+    """``gm`` changed (outputs detached, or as written again): forget the plans at the region's next run (until
+    then a later run of it is counted by what it held as traced before, never less)."""
 
     @functools.cached_property
     def weight_positions(self) -> tuple[int, ...]:

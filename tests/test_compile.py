@@ -142,6 +142,10 @@ def test_measured_peak_of_the_real_run_matches_the_simulator(name, strategy):
     except InfeasibleBudgetError:
         compiled = karma_fx.compile(model, budget=high, strategy=strategy)
         output_to_loss(compiled(*args, **kwargs)).backward()
+    # an HF model's logits, which the loss does not differentiate, are returned detached from the second step
+    # (``karma_fx.unused_grads``): its region is traced and planned again then, and steady from the third
+    model.zero_grad(set_to_none=True)
+    output_to_loss(compiled(*args, **kwargs)).backward()
     assert_peak_as_planned(name, model, compiled, args, kwargs)
 
 
