@@ -349,8 +349,9 @@ def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None,
     """Plan one training step of ``model(*args, **kwargs)`` under ``budget`` (bytes or a fraction).
 
     The model may live on the ``meta`` device: it is traced on fake tensors and no weights are read. The
-    step is the one ``karma_fx.compile`` runs (every output that requires grad is differentiated), so both
-    agree on what fits. ``offload_weights`` streams the weights from host memory (see ``Prepared.plan``);
+    step is the one ``karma_fx.compile`` runs from its second step (every output that requires grad is
+    differentiated, except beside a loss the model names, ``out.loss`` or ``out["loss"]``: the loss is, as
+    ``loss.backward()`` does, and the outputs beside it are returned detached), so both agree on what fits. ``offload_weights`` streams the weights from host memory (see ``Prepared.plan``);
     ``time_limit_s`` bounds the planning's wall-clock time (the capture excluded). Pricing is ``compile``'s
     (``karma_fx.pricing``): a model with real weights and no ``device`` preset named is measured on its device
     (``costs="roofline"`` keeps the times on the preset's roofline; scratch is measured either way), a model

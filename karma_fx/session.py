@@ -142,7 +142,7 @@ class Session:
         self._between = Between()
         self._margins = Margins()
         self._outputs = OutputWatch()
-        """What the backwards gave each large output of a region: those never differentiated are detached."""
+        """What the backwards gave each output of a region: those never differentiated are detached."""
         self.twin_maker: Callable[[Region, list[Any]], list[Region]] | None = None
         """Traces a region with its loss head chunked (set by ``karma_fx.backend.KarmaBackend``)."""
         self._fresh_runs = 0
