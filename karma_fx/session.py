@@ -312,11 +312,15 @@ class Session:
                         format_bytes(measured), format_bytes(self.budget_bytes),
                         format_bytes(measured - planned))
 
-    def step_failed(self) -> None:
+    def step_failed(self, in_backward: bool = False) -> None:
         """The step's forward raised (a budget refused, a model that does not trace): stop measuring it. A
         profiler session left open past the step (``GapMeter``) crashed the process at exit, after the caller
-        had caught the error (2026-12-02, torch 2.13: a refused budget caught, then a segmentation fault)."""
-        self._between.finish()
+        had caught the error (2026-12-02, torch 2.13: a refused budget caught, then a segmentation fault).
+        ``in_backward``: it is its backward that fails, from inside the autograd engine, which restores the
+        thread's profiler state as the backward ends: stopped here, the session would come back on with nobody
+        to stop it; the meter stops where ``torch.autograd.backward`` returns, as after any backward."""
+        if not in_backward:
+            self._between.finish()
         self._take_back_announced()
         self._calls, self._graphs, self._started = [], [], False  # given up: the next run begins a step
 
@@ -528,7 +532,7 @@ class Session:
             region.gm, region.as_written = region.as_written, None
         region.detached, region.as_written_only, region.retrace = (), True, True
         self._between.remeasured = True
-        self.step_failed()
+        self.step_failed(in_backward=True)
         return where
 
     def _forget(self, region: Region) -> None:

@@ -103,6 +103,9 @@ def test_a_loss_that_later_differentiates_the_logits_raises_once_then_trains_as_
     with pytest.raises(KarmaError, match="got a gradient in this backward.*zero the gradients and run this step again"):
         (loss + logits.square().mean()).backward()
     assert all(p.grad is None for p in model.parameters())  # nothing of the failed step reached a gradient
+    # the step measured (``GapMeter``) stopped once the backward returned: stopped inside the autograd engine, the
+    # thread's profiler state came back on as the engine restored it, and the next profiler session failed
+    assert not torch._C._autograd._profiler_enabled()
     for _ in range(2):  # the region as written: the logits' gradient counts, as in eager
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
