@@ -532,6 +532,9 @@ class Session:
             region.gm, region.as_written = region.as_written, None
         region.detached, region.as_written_only, region.retrace = (), True, True
         self._between.remeasured = True
+        # the step run again is a first one: no earlier run counts this region by its detached plans, leaner than
+        # what it traces now (a budget that fits was refused)
+        self._previous = None
         self.step_failed(in_backward=True)
         return where
 

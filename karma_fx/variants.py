@@ -78,8 +78,9 @@ class Region:
     as_written_only: bool = False
     """A backward differentiated an output once returned detached: the region stays as written."""
     retrace: bool = False
-    """``gm`` changed (outputs detached, or as written again): forget the plans at the region's next run (until
-    then a later run of it is counted by what it held as traced before, never less)."""
+    """``gm`` changed (outputs detached, or as written again): forget the plans at the region's next run. Until
+    then a later run of it is counted by its plans as traced before: never less, once detached; as written again
+    the step that follows is a first one (``Session._as_written_again``)."""
 
     @functools.cached_property
     def weight_positions(self) -> tuple[int, ...]:

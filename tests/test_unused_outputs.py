@@ -156,6 +156,49 @@ def test_the_logits_region_after_a_graph_break_is_detached_and_a_use_later_train
     assert [r.detached for r in session().regions][-1] == ()
 
 
+class BodyThenHead(nn.Module):
+    """A residual MLP body, a graph break, the head: at 5.2 MB the head's region as written needs more room than
+    its detached plans did."""
+
+    def __init__(self, vocab: int = 512, d: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.emb(ids)
+        for _ in range(2):
+            h = h + self.down(F.gelu(self.up(h)))
+        torch._dynamo.graph_break()
+        logits = self.head(h)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def test_the_step_run_again_after_the_guard_raised_is_planned_as_a_first_one():
+    """The body's region must not count the head's region by its detached plans, leaner than the graph it goes
+    back to (the retry was refused a budget it fits, found by a review)."""
+    model = BodyThenHead()
+    ref = copy.deepcopy(model)
+    step = karma_fx.compile(model, budget=5_200_000)
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    for i in range(6):
+        use = i >= 3
+        model.zero_grad(set_to_none=True)
+        loss, logits = step(ids, ids)
+        if i == 3:
+            with pytest.raises(KarmaError, match="got a gradient in this backward"):
+                (loss + logits.square().mean()).backward()
+            model.zero_grad(set_to_none=True)
+            loss, logits = step(ids, ids)  # the step run again: planned and run, not refused
+        (loss + logits.square().mean() if use else loss).backward()
+        ref.zero_grad(set_to_none=True)
+        loss_ref, logits_ref = ref(ids, ids)
+        (loss_ref + logits_ref.square().mean() if use else loss_ref).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_with_a_host_optimizer_the_outputs_stay_as_written():
     """The gradient pipeline updates during the backward: a step a guard stopped could not be taken back."""
     model = LossAndLogits()
