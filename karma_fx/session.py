@@ -454,7 +454,9 @@ class Session:
         learning = self._between.caller_keeps(self._signature()) is None
         out = variant.fn(*args)
         self._graphs.append(_graph_of(out, self._given_up))
-        out = self._outputs.returned(region, out, lambda: self._as_written_again(region))
+        # (no hooks under a gradient pipeline: nothing is detached there, ``_detach_unused``)
+        out = self._outputs.returned(region, out, lambda: self._as_written_again(region),
+                                     watch=self.pipeline is None)
         self._between.run_returned(k, out, learning)
         for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):

@@ -63,15 +63,16 @@ class OutputWatch:
     none: set[tuple[int, int]] = field(default_factory=set)
     used: set[tuple[int, int]] = field(default_factory=set)
 
-    def returned(self, region: Region, out: Any, on_used: Callable[[], str]) -> Any:
-        """A training run of ``region`` returned ``out``: guard the outputs it returns detached, or watch its
-        outputs that require grad. Returns what the caller gets (``out``, or a copy with guarded tensors)."""
+    def returned(self, region: Region, out: Any, on_used: Callable[[], str], watch: bool = True) -> Any:
+        """A training run of ``region`` returned ``out``: guard the outputs it returns detached, or (``watch``:
+        where what is learnt can be acted on) watch its outputs that require grad. Returns what the caller gets
+        (``out``, or a copy with guarded tensors)."""
         flat = list(out) if isinstance(out, (list, tuple)) else [out]
         if region.detached:
             for k in region.detached:
                 flat[k] = KarmaDetachedOutput.apply(flat[k], _ANCHOR, on_used)
             return type(out)(flat) if isinstance(out, (list, tuple)) else flat[0]
-        if region.as_written_only:
+        if region.as_written_only or not watch:
             return out
         differentiable = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
                           and t.grad_fn is not None and t.is_floating_point()]
