@@ -530,8 +530,8 @@ class Session:
         """A backward differentiated an output ``region`` returns detached: the step fails (the guard raises),
         and the region is traced as written from its next run on. Returns what the error names."""
         where = f"output {list(region.detached)} of compiled region {region.index}"
-        if region.as_written is not None:
-            region.gm, region.as_written = region.as_written, None
+        assert region.as_written is not None  # (a guard exists only where outputs were detached)
+        region.gm, region.as_written = region.as_written, None
         region.detached, region.as_written_only, region.retrace = (), True, True
         self._between.remeasured = True
         # the step run again is a first one: no earlier run counts this region by its detached plans, leaner than
