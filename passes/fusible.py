@@ -27,7 +27,8 @@ _LOOP_OPS: frozenset[str] = frozenset({
     "aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten._to_copy.default",
     "aten.clone.default", "aten.var_mean.correction", "aten.max.dim", "aten.min.dim", "prims.iota.default",
     "prims.convert_element_type.default", "aten.slice_scatter.default", "aten.constant_pad_nd.default",
-    "aten.copy.default", "aten.select_scatter.default",
+    "aten.copy.default", "aten.select_scatter.default", "prims._low_memory_max_pool_with_offsets.default",
+    "prims._low_memory_max_pool_offsets_to_indices.default",
 })
 """Untagged ops that Inductor lowers to a loop nest of its own (an index load, a fill, a copy, a Welford or
 arg reduction, a padding, slice or row written into a copy, a functional ``copy``) rather than to an extern
@@ -102,7 +103,8 @@ def _stores_its_result(target: object) -> bool:
     """A reduction or a scatter: Inductor always writes its result to a buffer, never inlines it."""
     name = str(target)
     return is_reduction(target) or name in (
-        "aten.var_mean.correction", "aten.max.dim", "aten.min.dim") or name in SCATTER_OPS
+        "aten.var_mean.correction", "aten.max.dim", "aten.min.dim", "prims._low_memory_max_pool_with_offsets.default"
+    ) or name in SCATTER_OPS
 
 
 def _is_view(node: fx.Node) -> bool:
