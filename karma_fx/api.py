@@ -17,6 +17,7 @@ from karma_fx.device import DeviceSpec
 from karma_fx.errors import InfeasibleBudgetError, KarmaError
 from karma_fx.progress import planning, report
 from karma_fx.passes.capture import CapturedStep, capture
+from karma_fx.passes.narrowing import narrow_saved
 from karma_fx.passes.liveness import build_problem
 from karma_fx.plan import Plan
 from karma_fx.problem import Problem
@@ -323,6 +324,7 @@ def _prepare(model: nn.Module, args: Any, kwargs: Any, device: Any, name: str | 
         # A model on meta is only planned, for the device preset (a CUDA GPU): trace attention as it runs there.
         step = capture(model, args, kwargs, gpu_attention=not real and bool(params),
                        inductor=compiler == "inductor", loss_chunk=loss_chunk)
+        step.joint = narrow_saved(step.joint, step.num_fwd_outputs)  # as compile's partition does
         t1 = time.perf_counter()
         report("liveness")
         problem = build_problem(step, name=label)

@@ -723,9 +723,10 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     from karma_fx.costs import estimate_costs
     from karma_fx.passes.capture import CapturedStep
     from karma_fx.passes.liveness import build_problem, storage_key
+    from karma_fx.passes.narrowing import saved_where_computable
     from karma_fx.simulate import simulate
 
-    joint = stitched(fw, bw, num_fwd_outputs)
+    joint = stitched(saved_where_computable(fw), bw, num_fwd_outputs)
     gradient_copy = 0  # autograd's copy of a gradient the backward returns channels-last, after its last op
     channels_last = layout_optimization and layout_optimized(fw)
     if channels_last:

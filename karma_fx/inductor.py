@@ -157,17 +157,24 @@ def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> 
     slower). Min-cut's is counted as Inductor compiles it with its own settings, writing over saved activations
     the backward is done with (``partition_peaks(as_compiled=True)``: a d=256 decoder with an 8k vocabulary
     writes its logits' gradient over the saved logits, 32 MiB the model held twice, 13% over its peak); the
-    default partition as the planned problem counts it. Both partitions run on copies of ``joint``, which is
-    left as it is."""
+    default partition as the planned problem counts it (with ``passes.narrowing``'s narrower values saved,
+    where the planned problem saves them). Both partitions run on copies of ``joint``, which is left as it is."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     from karma_fx.fusion import partition_peaks
     from karma_fx.passes.capture import copy_graph
 
+    from karma_fx.passes.narrowing import narrow_saved, narrowed
+    from karma_fx.passes.partition import split
+
     num_fwd_outputs = options["num_fwd_outputs"]
     options = {**options, "compiler": options.get("compiler", "inductor")}
-    default = default_partition(copy_graph(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                static_lifetime_input_indices=options.get("static_lifetime_input_indices"))
+    narrow = narrow_saved(joint, num_fwd_outputs)
+    if narrowed(narrow):  # the planned problem saves the narrower values, as karma's own split does
+        default = split(narrow, num_fwd_outputs, set())
+    else:
+        default = default_partition(copy_graph(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                    static_lifetime_input_indices=options.get("static_lifetime_input_indices"))
     theirs = partition_peaks(*min_cut_rematerialization_partition(copy_graph(joint), joint_inputs, **options),
                              num_fwd_outputs, as_compiled=True, layout_optimization=True)
     ours = partition_peaks(*default, num_fwd_outputs)

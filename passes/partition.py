@@ -18,6 +18,7 @@ import torch.fx as fx
 from karma_fx.passes.capture import CapturedStep
 from karma_fx.passes.liveness import _forward_nodes, build_problem
 from karma_fx.passes.dropout import split_dropout
+from karma_fx.passes.narrowing import narrow_saved, narrowed
 from karma_fx.passes.rewrite import rewrite_joint
 from karma_fx.plan import Plan
 from karma_fx.problem import Problem
@@ -45,7 +46,8 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
         # Planned on the graph with each dropout split into mask and multiply (what plan() captures), so a
         # dropout output can be rebuilt; under Inductor a plan that moves nothing partitions the graph as
         # captured (``keep_all``).
-        step = CapturedStep(joint=split_dropout(joint, dropout_backward), primal_kinds=primal_kinds,
+        step = CapturedStep(joint=narrow_saved(split_dropout(joint, dropout_backward), num_fwd_outputs),
+                            primal_kinds=primal_kinds,
                             primal_names=primal_names, num_fwd_outputs=num_fwd_outputs, output_names=(),
                             joint_inputs=joint_inputs)
         if keep_all_excess is not None:
@@ -54,7 +56,9 @@ def make_partition_fn(plan_fn: PlanFn, primal_kinds: tuple, primal_names: tuple,
         problem = build_problem(step)
         plan = plan_fn(problem, step)
         moves = bool(plan.decisions or plan.splits)
-        if moves or save_params:
+        # A narrowed graph (``narrow_saved``) is split as planned; under Inductor a plan that moves nothing still
+        # runs the step as written, whose min-cut partition finds such cuts itself.
+        if moves or save_params or (keep_all is None and narrowed(step.joint)):
             rewritten, offload_names = rewrite_joint(step, problem, plan) if moves else (step.joint, set())
             if save_params:
                 hand_over_gradients(rewritten, primal_kinds, num_fwd_outputs)

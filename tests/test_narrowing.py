@@ -1,0 +1,121 @@
+"""A ReLU in front of a max pooling is saved as its 1-byte mask, not its output (``passes.narrowing``): the
+planned problem counts the narrower saved set, and the step that runs saves it, trained as eager on both doors
+and under Inductor within the budget."""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import karma_fx
+from karma_fx.measure_run import AllocatorPeak
+from karma_fx.passes.capture import capture
+from karma_fx.passes.liveness import build_problem
+from karma_fx.passes.narrowing import narrow_saved, narrowed
+
+
+class PoolNet(nn.Module):
+    """conv-ReLU-conv-ReLU-pool, conv-ReLU-pool, linear: the first ReLU's output is read by a convolution's
+    backward (it must stay), the other two only through their masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                                  nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).flatten(1))
+
+
+class MeanNet(nn.Module):
+    """ReLUs each read by a mean over groups of its features (as a CNN's global average pooling reads its last
+    ReLU): a mean's backward needs no values, so each ReLU is read by the backward only through its mask. No
+    convolution: its scratch, measured on this machine, would decide what fits."""
+
+    def __init__(self, blocks: int = 6) -> None:
+        super().__init__()
+        self.first = nn.Linear(64, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 512) for _ in range(blocks))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        for block in self.blocks:
+            h = F.relu(block(h)).view(-1, 32, 16).mean(-1)
+        return self.head(h)
+
+
+def _rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(256, 64, generator=g), torch.randint(0, 10, (256,), generator=g)
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def _saved(problem) -> dict[str, tuple[int, torch.dtype | None]]:
+    return {s.name: s.size_bytes for s in problem.saved_activations()}
+
+
+def test_the_relu_masks_before_the_pools_are_saved_instead_of_their_outputs():
+    torch.manual_seed(0)
+    step = capture(PoolNet(), (_batch()[0],), inductor=True)  # the graph Inductor's decompositions make
+    before = _saved(build_problem(step))
+    joint = narrow_saved(step.joint, step.num_fwd_outputs)
+    assert narrowed(joint) and not narrowed(step.joint)  # a copy: the graph as captured is priced too
+    after = _saved(build_problem(replace(step, joint=joint)))
+    gone, new = set(before) - set(after), set(after) - set(before)
+    # the two ReLUs read only through their masks: 4x8x16x16 and 4x8x8x8 fp32, now 1 byte an element
+    assert sorted(before[n] for n in gone) == [4 * 8 * 8 * 8 * 4, 4 * 8 * 16 * 16 * 4]
+    assert sorted(after[n] for n in new) == [4 * 8 * 8 * 8, 4 * 8 * 16 * 16]
+    moved = [n for n in joint.graph.nodes if "narrowed" in n.meta.get("karma", {})]
+    assert {n.meta["karma"]["narrowed"] for n in moved} == gone
+    assert all(n.target is torch.ops.aten.le.Scalar for n in moved)
+    # the first ReLU (a convolution's backward reads it) stays saved, and nothing else moved
+    assert sum(after.values()) == sum(before.values()) - 3 * (4 * 8 * 8 * 8 + 4 * 8 * 16 * 16)
+
+
+@pytest.mark.parametrize("door", ["compile", "backend"])
+def test_under_inductor_a_narrowed_plan_holds_its_budget_and_trains_as_eager(door):
+    torch.manual_seed(0)
+    model = MeanNet()
+    ref = copy.deepcopy(model)
+    if door == "compile":
+        step = karma_fx.compile(model, budget=0.9, compiler="inductor")
+    else:
+        from karma_fx.backend import _sessions
+
+        options = {"budget": 0.9, "compiler": "inductor"}
+        step = torch.compile(model, backend="karma", options=options, dynamic=False)
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(4):
+        x, y = _rows(i)
+        opt.zero_grad(set_to_none=True)
+        opt_ref.zero_grad(set_to_none=True)
+        if i == 0:  # planned and measured outside a profiler
+            loss = F.cross_entropy(step(x), y)
+            loss.backward()
+        else:
+            with AllocatorPeak(model.parameters(), x, y) as meter:
+                loss = F.cross_entropy(step(x), y)
+                loss.backward()
+        loss_ref = F.cross_entropy(ref(x), y)
+        loss_ref.backward()
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        opt.step()
+        opt_ref.step()
+    region = (step._session if door == "compile" else _sessions[id(options)]).regions[-1]
+    assert region.plan.decisions  # a plan that moves, so karma's own partition ran, with the masks saved
+    forward, _ = region.graphs
+    masks = [n for n in forward.graph.nodes if "narrowed" in n.meta.get("karma", {})]
+    assert masks and all(n.meta["val"].dtype == torch.bool for n in masks)  # computed in the forward that ran
+    assert meter.peak_bytes <= region.plan.budget_bytes
