@@ -5,8 +5,9 @@
     python bench/inductor_peaks.py cnn resnet50 --budgets 1.0 --no-layout-optimization
 
 Per model, three steady steps are measured with the allocator's events (``AllocatorPeak``: the weights, buffers
-and batch, plus the highest running sum of allocations during forward, loss and backward; every second step, so
-that karma's own measuring runs are outside them; the step's outputs held until the backward has run, as a
+and batch, plus the highest running sum of allocations during forward, loss and backward; every second step from
+the fourth, so that karma's own measuring runs, and the step that traces a region again with an output no loss
+differentiates detached, are outside them; the step's outputs held until the backward has run, as a
 training loop that keeps ``outputs = model(**batch)`` holds them and as karma's model counts them: a decoder's
 logits dropped before the backward lower the peak by their size): plain ``torch.compile`` (Inductor's own step), and
 ``karma_fx.compile(model, budget=b, compiler="inductor")`` at ``b=1.0`` (nothing moves) and at the budgets asked
@@ -29,7 +30,7 @@ from karma_fx.measure_run import AllocatorPeak
 from karma_fx.zoo import build, names, output_to_loss
 
 
-def _steady_peak(model: torch.nn.Module, step, args: tuple, kwargs: dict, steps: int = 6) -> int:
+def _steady_peak(model: torch.nn.Module, step, args: tuple, kwargs: dict, steps: int = 8) -> int:
     peaks = []
     held = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor)),
             *(v for v in kwargs.values() if isinstance(v, torch.Tensor))]
@@ -37,7 +38,7 @@ def _steady_peak(model: torch.nn.Module, step, args: tuple, kwargs: dict, steps:
         for p in model.parameters():
             p.grad = None
         gc.collect()
-        if i % 2 == 0:
+        if i < 2 or i % 2 == 0:  # the second step may trace a region again (an output no loss differentiates)
             output = step(*args, **kwargs)  # held through the backward, as a training loop holds it, every
             output_to_loss(output).backward()  # step (karma learns from the steps it measures whether it is)
             del output
