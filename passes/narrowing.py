@@ -5,10 +5,10 @@ A ReLU in front of a max pooling is the common case. Its output is read by the b
 ``relu <= 0`` (``threshold_backward``, decomposed): AOTAutograd's default partition saves the ReLU's output, 4
 bytes an element in fp32, where the 1-byte mask is all the backward needs. PyTorch's min-cut partitioner finds
 that cut (``torch.compile``'s step saves the masks), so the partition karma planned held more than the step as
-written: on VGG-16 in bf16-mixed (batch 128, 224 px) karma's partition with nothing moved was predicted at
-5.16 GiB against min-cut's 3.67 GiB, and no plan reached below min-cut's own step. Offload and recompute
-cannot express this cut; moving the ops can, and it is never worse for memory: the saved tensor's readers in
-the backward are gone, so it dies in the forward, and each result is smaller than it.
+written: on VGG-16 in bf16-mixed (batch 128, 224 px, H100 preset) karma's partition with nothing moved was
+predicted at 5.16 GiB against min-cut's 4.87 GiB; narrowed, at 4.78 GiB. Offload and recompute cannot express
+this cut; moving the ops can, and it is never worse for memory: the saved tensor's readers in the backward are
+gone, so it dies in the forward, and each result is smaller than it.
 
 The values are the same, op for op (the same kernel on the same inputs, run earlier), so the step's loss and
 gradients are eager's bit for bit. Only whole sets move: a tensor the backward also reads elsewhere (a ReLU
