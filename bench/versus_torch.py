@@ -24,7 +24,8 @@ Models: a 4-layer d=512 GPT at sequence 512 (batch 2, vocab 2048), a 4-layer d=2
 (its loss head dominates: the logits alone are 32 MiB), the same shape as a HuggingFace GPT-2 (which returns its
 logits beside the loss: ``torch.compile`` gives them a zero gradient and runs the head's backward on it, karma from
 its second step does not: ``karma_fx.unused_grads``), a ResNet-18 (basic blocks [2, 2, 2, 2], width 64) on 64x64
-images, batch 32, and a probe, a two-pass residual MLP (d=128, batch 8x256). Every configuration gets a fresh model
+images, batch 32, a VGG-style network (four stages of two 3x3 convolutions and a max pooling, widths 32-128) on
+64x64 images, batch 16, and a probe, a two-pass residual MLP (d=128, batch 8x256). Every configuration gets a fresh model
 and a reset Dynamo, is run twice (compile, then a steady-state step that fills any host-buffer pool), timed over
 ``--steps`` steps (median; the fastest is shown too, a hint of how much other work on the machine disturbed them),
 then run once more under ``AllocatorPeak`` (torch.profiler's allocator events; weights, buffers and inputs added as
@@ -158,6 +159,31 @@ def two_pass_mlp(batch: int = 8, seq: int = 256, d: int = 128) -> tuple[nn.Modul
     return TwoPassMLP(d).train(), (torch.randn(batch, seq, d),), {}
 
 
+class SmallVGG(nn.Module):
+    """VGG-style stages of 3x3 convolution, ReLU and 2x2 max pooling (widths 32, 64, 128, 128), then a linear
+    classifier: each pooled ReLU is read by the backward only through its mask, which min-cut saves instead of the
+    ReLU (``passes.narrowing``)."""
+
+    def __init__(self, classes: int = 100, widths: tuple[int, ...] = (32, 64, 128, 128)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        cin = 3
+        for w in widths:
+            layers += [nn.Conv2d(cin, w, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(w, w, 3, padding=1),
+                       nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            cin = w
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).flatten(1))
+
+
+def small_vgg(batch: int = 16, image: int = 64) -> tuple[nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    return SmallVGG().train(), (torch.randn(batch, 3, image, image),), {}
+
+
 MODELS: dict[str, Callable[[], tuple[nn.Module, tuple, dict]]] = {
     "gpt-4x512": lambda: build("megatron_gpt", "tiny", batch=2, seq=512, layers=4, hidden=512, heads=8, vocab=2048),
     # the loss head's cell (issue: a medium decoder with a vocabulary of 8k or more): its logits are 32 MiB
@@ -169,6 +195,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, tuple, dict]]] = {
                                  dropout=0.0),
     "resnet18-64px": resnet18,
     "mlp-2pass": two_pass_mlp,  # a probe: pointwise ops Inductor fuses (``TwoPassMLP``)
+    "vgg-64px": small_vgg,  # ReLUs read through their masks only (``SmallVGG``)
     "mlp-tiny": lambda: build("mlp", "tiny"),  # a quick check of the bench itself, not a comparison
 }
 
