@@ -82,6 +82,37 @@ def test_the_relu_masks_before_the_pools_are_saved_instead_of_their_outputs():
     assert sum(after.values()) == sum(before.values()) - 3 * (4 * 8 * 8 * 8 + 4 * 8 * 16 * 16)
 
 
+class ViewedRelu(nn.Module):
+    """A ReLU between two linears on a 3-D batch: the second linear's weight gradient reads the ReLU through its
+    2-D view, so its storage is saved whatever its mask does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x))).sum()
+
+
+class ReturnedRelu(nn.Module):
+    """A ReLU read next by a mean (its backward needs only the mask), which the step also returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = F.relu(self.fc(x))
+        return h.view(-1, 16, 4).mean(-1).sum(), h
+
+
+@pytest.mark.parametrize("model", [ViewedRelu, ReturnedRelu])
+def test_a_tensor_saved_anyway_is_not_narrowed(model):
+    step = capture(model(), (torch.randn(4, 8, 16),), inductor=True)
+    joint = narrow_saved(step.joint, step.num_fwd_outputs)
+    assert not narrowed(joint)  # a mask beside the ReLU would only add its bytes
+
+
 @pytest.mark.parametrize("door", ["compile", "backend"])
 def test_under_inductor_a_narrowed_plan_holds_its_budget_and_trains_as_eager(door):
     torch.manual_seed(0)
