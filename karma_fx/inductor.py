@@ -172,7 +172,6 @@ def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> 
 
     from karma_fx.fusion import partition_peaks
     from karma_fx.passes.capture import copy_graph
-
     from karma_fx.passes.narrowing import narrow_saved, narrowed
     from karma_fx.passes.partition import split
 

@@ -43,18 +43,12 @@ def narrow_saved(joint: fx.GraphModule, num_fwd_outputs: int) -> fx.GraphModule:
     sets = _narrowing_sets(joint, num_fwd_outputs)
     if not sets:
         return joint
-    copied = copy_graph(joint)
-    graph = copied.graph
-    by_name = {n.name: n for n in graph.nodes}
-    for saved, readers in sets:
-        for name in readers:
-            reader = by_name[name]
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            max(reader.all_input_nodes, key=order.__getitem__).append(reader)
-            reader.meta["partitioner_tag"] = "is_forward"
-            reader.meta["karma"] = {NARROWED: saved}
-    graph.lint()
-    copied.recompile()
+    saved_by = {name: saved for saved, readers in sets for name in readers}
+    copied = _moved_after_inputs(joint, list(saved_by))
+    for node in copied.graph.nodes:
+        if node.name in saved_by:
+            node.meta["partitioner_tag"] = "is_forward"
+            node.meta["karma"] = {NARROWED: saved_by[node.name]}
     return copied
 
 
@@ -137,17 +131,22 @@ def saved_where_computable(fw: fx.GraphModule) -> fx.GraphModule:
     output = next(n for n in fw.graph.nodes if n.op == "output")
     late = [n for n in fw.graph.nodes if _movable(n, set(order)) and set(n.users) == {output}
             and order[max(n.all_input_nodes, key=order.__getitem__)] + 1 < order[n]]
-    if not late:
-        return fw
-    copied = copy_graph(fw)
-    by_name = {n.name: n for n in copied.graph.nodes}
-    for name in (n.name for n in late):
+    return _moved_after_inputs(fw, [n.name for n in late]) if late else fw
+
+
+def _moved_after_inputs(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    """A copy of ``gm`` with the nodes ``names`` (in that order) each moved to just after the last node it reads
+    (after the last placeholder, where it reads only placeholders)."""
+    copied = copy_graph(gm)
+    graph = copied.graph
+    by_name = {n.name: n for n in graph.nodes}
+    for name in names:
         node = by_name[name]
-        order = {n: i for i, n in enumerate(copied.graph.nodes)}
+        order = {n: i for i, n in enumerate(graph.nodes)}
         last = max(node.all_input_nodes, key=order.__getitem__)
         if last.op == "placeholder":
-            last = max((n for n in copied.graph.nodes if n.op == "placeholder"), key=order.__getitem__)
+            last = max((n for n in graph.nodes if n.op == "placeholder"), key=order.__getitem__)
         last.append(node)
-    copied.graph.lint()
+    graph.lint()
     copied.recompile()
     return copied
