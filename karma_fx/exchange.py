@@ -226,10 +226,10 @@ class GradientPipeline:
         del self._expected[slot]
         p = self.params[slot]
         if self.accumulating:
-            p.grad = landed(grad).clone() if p.grad is None else p.grad + landed(grad)
+            p.grad = landed(grad).clone() if p.grad is None else _accumulated(p.grad, landed(grad))
         else:
             if p.grad is not None:  # accumulated under no_sync(): this step's update takes it in
-                grad = p.grad + landed(grad)
+                grad = _accumulated(p.grad, landed(grad))
                 p.grad = None
             self._add(slot, grad)
         if not self._expected:
@@ -356,6 +356,16 @@ class GradientPipeline:
         return {"traceEvents": [
             {"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": rows[cat], "ts": (s - base) * 1e6,
              "dur": max((e - s) * 1e6, 1.0)} for name, cat, s, e in self.trace_events]}
+
+
+def _accumulated(held: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``held + grad``, added into ``held`` where autograd's own accumulation would add in place (same shape,
+    dtype and device, dense, no graph being built): the accumulated gradient keeps its storage, as ``.grad``
+    does in eager training, and the step holds no third tensor of the parameter's size while it adds."""
+    if (held.shape == grad.shape and held.dtype == grad.dtype and held.device == grad.device
+            and held.layout == grad.layout == torch.strided and not torch.is_grad_enabled()):
+        return held.add_(grad)
+    return held + grad
 
 
 def _shutdown(worker: ThreadPoolExecutor | None) -> None:

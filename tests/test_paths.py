@@ -235,6 +235,29 @@ def test_gradient_accumulation_then_one_update_equals_eager():
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
 
 
+def test_accumulation_under_no_sync_adds_into_the_held_gradient_as_eager_does():
+    """Eager autograd adds a micro-batch's gradient into ``.grad`` in place: the tensor a training loop holds
+    stays the one it holds, and no third tensor of the parameter's size exists while it adds. The pipeline
+    under ``no_sync`` does the same, and the sum is eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    reference = copy.deepcopy(model)
+    step = karma_fx.compile(model, budget="1MiB", strategy="keep",
+                            optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    batches = [torch.randn(4, 16) for _ in range(3)]
+    held, eager_held = [], []
+    for x in batches:
+        with step.no_sync():
+            step(x).sum().backward()
+        reference(x).sum().backward()
+        held.append((model[0].weight.grad, model[0].weight.grad.data_ptr()))
+        eager_held.append(reference[0].weight.grad)
+    assert eager_held[0] is eager_held[-1], "eager keeps one .grad tensor across micro-batches"
+    assert all(g is held[0][0] and ptr == held[0][1] for g, ptr in held), "added in place into the held .grad"
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_the_host_optimizer_is_reachable_for_schedulers_clipping_and_checkpoints():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
