@@ -218,7 +218,8 @@ class KarmaBackend:
             primals = [a for a in args if isinstance(a, torch.Tensor)]
             started = time.perf_counter()
             with set_aside(head):
-                problem, costs, pricing = price(step, problem, session.config.pricing(runs_here=True), primals)
+                problem, costs, pricing = price(step, problem, session.config.pricing(runs_here=True), primals,
+                                                 known=session.measured_ops)
             keep = simulate(problem, (), costs)
             region.boundary = boundary_of(step, problem, region.kinds)
             prepared = Prepared(problem=problem, costs=costs, keep=keep, step=step, pricing=pricing,

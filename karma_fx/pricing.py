@@ -72,11 +72,18 @@ def choose(costs: str | None, device: Any, runs_here: bool, compiler: str = "eag
                    compiler=compiler)
 
 
-def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Tensor] | None = None
-          ) -> tuple[Problem, Costs, Pricing]:
+MeasuredOps = dict
+"""What running steps measured, by what each node computes (``passes.measure.op_signature``): ``(time in µs or
+None where not timed, scratch bytes, split costs)``. A session keeps one across its traces (``price``'s
+``known``)."""
+
+
+def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Tensor] | None = None,
+          known: MeasuredOps | None = None) -> tuple[Problem, Costs, Pricing]:
     """``problem`` as the device allocates it, its ``Costs``, and the pricing they really had (what could not
     be measured falls back: see ``_measure``), priced as ``pricing`` asks; ``primals`` are the real tensors
-    behind the step's placeholders (needed where anything is measured)."""
+    behind the step's placeholders (needed where anything is measured). ``known``: what earlier traces
+    measured (read and added to): a step whose every node was measured before is not run again."""
     measured: Any = None
     where = "cpu"
     if pricing.memory == "measured" or pricing.time == "measured":
@@ -84,7 +91,7 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
             raise KarmaError("measuring a step needs its real tensors")
         device = next(t.device for t in primals if isinstance(t, torch.Tensor))
         where = str(device)
-        measured, scratch_known, timed = _measure(step, primals, time=pricing.time == "measured")
+        measured, scratch_known, timed = _measure(step, primals, time=pricing.time == "measured", known=known)
         if device.type == "cuda":
             problem = allocator_sizes(problem, CUDA_BLOCK_BYTES)
         pricing = replace(pricing, memory="measured" if scratch_known else "tensors",
@@ -164,16 +171,36 @@ def allocator_sizes(problem: Problem, block_bytes: int) -> Problem:
     return replace(problem, storages=storages, _index={}, _op_index={})
 
 
-def _measure(step: Any, primals: list[torch.Tensor], *, time: bool) -> tuple[Any, bool, bool]:
+def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: MeasuredOps | None = None
+             ) -> tuple[Any, bool, bool]:
     """Run the step for real on ``primals`` (on real memory even inside the partitioner's fake mode): its
     per-node scratch and, when ``time``, its times; and whether each could be measured. Neither can under
     a torch.profiler session already running (sessions do not nest: a second one would empty it), nor can
     a GPU's kernels be timed: the plan then counts tensors only, and a GPU's times fall back to the roofline;
-    the session measures again at the region's first run outside the profiler (``Session.run``)."""
+    the session measures again at the region's first run outside the profiler (``Session.run``).
+
+    ``known``: where every node of the step was measured before (a region traced again with an output
+    detached, ``karma_fx.unused_grads``: the same ops, fewer of them), the step is not run: a measuring run
+    on a CPU holds the step as written, op by op, and would break a budget below it in the step that traces
+    again; on a GPU it spills every value to the host and back, seconds at real size. Complete measurements
+    are added to ``known``."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from karma_fx.measure_run import ProfilerBusy
-    from karma_fx.passes.measure import pooled, scratch_and_split_costs, time_joint
+    from karma_fx.passes.liveness import aliased_base
+    from karma_fx.passes.measure import JointCosts, op_signature, pooled, scratch_and_split_costs, time_joint
+
+    nodes = [node for node in step.joint.graph.nodes if node.op == "call_function"]
+    signatures = {node.name: op_signature(node) for node in nodes}
+    if known is not None and signatures:
+        # a view computes nothing: one not seen before (the detached output itself) needs no measuring
+        views = {node.name: (0.0, 0, ()) for node in nodes if aliased_base(node) is not None}
+        found = {n: known[sig] if sig in known and (known[sig][0] is not None or not time) else views.get(n)
+                 for n, sig in signatures.items()}
+        if all(v is not None for v in found.values()):
+            return JointCosts(op_time_us={n: v[0] for n, v in found.items()} if time else {},
+                              scratch_bytes={n: v[1] for n, v in found.items() if v[1]},
+                              split_costs={n: v[2] for n, v in found.items() if v[2]}), True, time
 
     scratch: dict[str, int] = {}
     split: dict[str, tuple[tuple[int, int, float], ...]] = {}
@@ -193,7 +220,14 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool) -> tuple[Any
                 times = time_joint(step, primals, repeats=1, warm_up=not scratch_known)
             except ProfilerBusy:  # a GPU's kernels are timed through the profiler
                 timed = False
-    return pooled(step, times, scratch, split), scratch_known, timed
+    measured = pooled(step, times, scratch, split)
+    if known is not None and scratch_known:
+        for name, sig in signatures.items():
+            t = measured.op_time_us.get(name) if timed else None
+            if timed and t is None:
+                continue  # (a node the timed run did not reach: not known)
+            known[sig] = (t, measured.scratch_bytes.get(name, 0), measured.split_costs.get(name, ()))
+    return measured, scratch_known, timed
 
 
 def channels_last_scratch(step: Any, primals: list[torch.Tensor]) -> dict[str, int]:

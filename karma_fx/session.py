@@ -127,6 +127,9 @@ class Session:
         """Whether a run of this step chose its plan (a replayed step reads no weights)."""
         self._held_grads: set[int] = set()
         """ids of the parameters that held a gradient when the step began (read once a step, in ``begin_step``)."""
+        self.measured_ops: dict = {}
+        """What the step's ops cost as measured here, by what each computes (``karma_fx.pricing.price``'s
+        ``known``): a region traced again is priced from it without running its step again."""
         self._last_reading: tuple[tuple, int] | None = None
         """The last steady step measured: (its sequence of runs, their variants, what it held; its peak)."""
         self._saw_backward = False

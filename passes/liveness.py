@@ -183,7 +183,7 @@ _MAY_COPY = frozenset({"aten.reshape.default", "aten.flatten.using_ints", "aten.
 """View ops by schema that copy where the input's strides do not allow a view."""
 
 
-def _aliased_base(node: fx.Node) -> fx.Node | None:
+def aliased_base(node: fx.Node) -> fx.Node | None:
     """The input a view op's result aliases, whatever its traced value says: a functionalized graph's traced
     values may give a view a storage of its own (an in-place update of a transposed view, replayed as a
     ``permute`` of the updated tensor), which counted it a second time beside its base, as a 1 MiB buffer
@@ -222,7 +222,7 @@ def build_problem(step: CapturedStep, name: str = "model") -> Problem:
             raise UnsupportedModelError(f"node {describe_node(node.name, str(node.target), modules.get(node, ''))} "
                                         "has no traced value; cannot plan it")
         many = not isinstance(val, torch.Tensor)
-        base = _aliased_base(node)
+        base = aliased_base(node)
         for i, t in enumerate(tensors_of(val)):
             key = storage_key(t)
             if base is not None and key not in key_to_name and len(node_storages.get(base, ())) == 1:

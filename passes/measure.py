@@ -233,7 +233,7 @@ def pooled(step: CapturedStep, op_time_us: dict[str, float], scratch: dict[str, 
     costs are pooled the same way: per number of pieces, the largest scratch and the median time."""
     groups: dict[Any, list[str]] = {}
     for node in execution_order(step):
-        groups.setdefault(_signature(node), []).append(node.name)
+        groups.setdefault(op_signature(node), []).append(node.name)
     times: dict[str, float] = {}
     largest: dict[str, int] = {}
     split = split or {}
@@ -257,7 +257,7 @@ def pooled(step: CapturedStep, op_time_us: dict[str, float], scratch: dict[str, 
     return JointCosts(op_time_us=times, scratch_bytes=largest, split_costs=split_costs)
 
 
-def _signature(node: fx.Node) -> Any:
+def op_signature(node: fx.Node) -> Any:
     """What a node computes, less its values: its target, and for each argument either the tensor's shape,
     strides, dtype and device or the argument itself (scalars, lists of ints, dtypes)."""
     def describe(value: Any) -> Any:
