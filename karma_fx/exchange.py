@@ -121,6 +121,8 @@ class GradientPipeline:
         self._sent: list[_Bucket] = []
         self._final: list[tuple[int, torch.Tensor]] = []
         self.accumulating = False
+        self._read: set[int] = set()
+        """ids of the tensors this step's forward runs read (``expect``)."""
         self.buckets: list[list[int]] = []
         """Parameter indices per bucket, in the order the last step sent them."""
         self.trace_events: list[tuple[str, str, float, float]] = []
@@ -180,10 +182,13 @@ class GradientPipeline:
             self.accumulating = previous
 
     # ---- announced by each forward run of a region ----------------------------------------------------
-    def expect(self, params: list[torch.Tensor]) -> None:
-        """A forward run whose backward will produce gradients for ``params``."""
+    def expect(self, params: list[torch.Tensor], inputs: list[Any] = ()) -> None:
+        """A forward run whose backward will produce gradients for ``params``; ``inputs``: all it reads. A held
+        ``.grad`` among them (a forward that reads a gradient) may be saved for the backward, so it is not added
+        into in place (``_accumulated``) before this backward is over."""
         self._check_open()
         self.wait_updates()
+        self._read.update(id(t) for t in inputs if isinstance(t, torch.Tensor))
         for p in params:
             slot = self._slot.get(id(p))
             if slot is None:
@@ -225,11 +230,13 @@ class GradientPipeline:
             return
         del self._expected[slot]
         p = self.params[slot]
+        in_place = p.grad is not None and id(p.grad) not in self._read
         if self.accumulating:
-            p.grad = landed(grad).clone() if p.grad is None else _accumulated(p.grad, landed(grad))
+            p.grad = landed(grad).clone() if p.grad is None else \
+                _accumulated(p.grad, landed(grad)) if in_place else p.grad + landed(grad)
         else:
             if p.grad is not None:  # accumulated under no_sync(): this step's update takes it in
-                grad = _accumulated(p.grad, landed(grad))
+                grad = _accumulated(p.grad, landed(grad)) if in_place else p.grad + landed(grad)
                 p.grad = None
             self._add(slot, grad)
         if not self._expected:
@@ -305,6 +312,7 @@ class GradientPipeline:
 
     def _end_of_backward(self) -> None:
         """Every announced gradient is final: send the last bucket, then wait for what is in flight."""
+        self._read = set()
         self._send()
         end = time.perf_counter()
         self.trace_events.append(("backward", "backward", self._backward_start or end, end))

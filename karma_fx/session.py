@@ -451,7 +451,7 @@ class Session:
         self._calls.append(_Call(region, variant, view if view.fp is variant.fp else replace(view, fp=variant.fp)))
         if self.pipeline is not None and variant.grad_params:
             announced = [args[i] for i in variant.grad_params]
-            self.pipeline.expect(announced)
+            self.pipeline.expect(announced, args)
             self._announced.append([id(p) for p in announced])  # (ids: the session holds no parameter)
         k = len(self._calls) - 1
         learning = self._between.caller_keeps(self._signature()) is None
