@@ -236,7 +236,7 @@ class KarmaBackend:
                         from karma_fx.pricing import channels_last_scratch
 
                         with set_aside(head):
-                            scratch = channels_last_scratch(step, primals)
+                            scratch = channels_last_scratch(step, primals, known=session.measured_ops)
                         prepared.keep_all_excess = replace(excess, scratch=tuple(sorted(scratch.items())))
                 except Exception:  # noqa: BLE001 - the step as written is then the partition planned
                     log.debug("Inductor's own partition not priced; a plan that moves nothing keeps the one "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -193,8 +194,10 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
     nodes = [node for node in step.joint.graph.nodes if node.op == "call_function"]
     signatures = {node.name: op_signature(node) for node in nodes}
     if known is not None and signatures:
-        # a view computes nothing: one not seen before (the detached output itself) needs no measuring
-        views = {node.name: (0.0, 0, ()) for node in nodes if aliased_base(node) is not None}
+        # a view computes nothing, nor does unpacking a result: one not seen before (the detached output
+        # itself; a result's unpacking, named after the node it unpacks) needs no measuring
+        views = {node.name: (0.0, 0, ()) for node in nodes
+                 if aliased_base(node) is not None or node.target is operator.getitem}
         found = {n: known[sig] if sig in known and (known[sig][0] is not None or not time) else views.get(n)
                  for n, sig in signatures.items()}
         if all(v is not None for v in found.values()):
@@ -226,19 +229,35 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
             t = measured.op_time_us.get(name) if timed else None
             if timed and t is None:
                 continue  # (a node the timed run did not reach: not known)
-            known[sig] = (t, measured.scratch_bytes.get(name, 0), measured.split_costs.get(name, ()))
+            scratch_now = measured.scratch_bytes.get(name, 0)
+            if sig in known and known[sig][1] > scratch_now:  # a kernel that allocated more once counts so
+                known[sig] = (t, known[sig][1], measured.split_costs.get(name, ()) or known[sig][2])
+            else:
+                known[sig] = (t, scratch_now, measured.split_costs.get(name, ()))
     return measured, scratch_known, timed
 
 
-def channels_last_scratch(step: Any, primals: list[torch.Tensor]) -> dict[str, int]:
+def channels_last_scratch(step: Any, primals: list[torch.Tensor], known: MeasuredOps | None = None
+                          ) -> dict[str, int]:
     """The convolutions' scratch of ``step`` run channels-last (``passes.measure.channels_last_scratch``), on
-    real memory even inside the partitioner's fake mode: empty where it cannot be measured."""
+    real memory even inside the partitioner's fake mode: empty where it cannot be measured. ``known``: as
+    ``price``'s (under ``("channels_last", signature)``): where every convolution was measured so before,
+    the step is not run again."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from karma_fx.passes.measure import channels_last_scratch as measure
+    from karma_fx.passes.fusible import CONVOLUTION_READS
+    from karma_fx.passes.measure import channels_last_scratch as measure, op_signature
 
+    keys = {n.name: ("channels_last", op_signature(n)) for n in step.joint.graph.nodes
+            if n.target in CONVOLUTION_READS}
+    if known is not None and keys and all(k in known for k in keys.values()):
+        return {name: known[k] for name, k in keys.items()}
     with _disable_current_modes():
-        return measure(step, primals)
+        scratch = measure(step, primals)
+    if known is not None and scratch:
+        for name, k in keys.items():
+            known[k] = max(known.get(k, 0), scratch.get(name, 0))
+    return scratch
 
 
 def _measured_costs(problem: Problem, op_time_us: dict[str, float], primals: list[torch.Tensor]) -> Costs:

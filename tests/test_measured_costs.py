@@ -153,3 +153,41 @@ def test_keeping_freed_host_memory_takes_effect_on_glibc():
     from karma_fx.runtime import keep_freed_host_memory
 
     assert keep_freed_host_memory() is (platform.libc_ver()[0] == "glibc")
+
+
+def test_a_step_priced_again_from_its_measurements_is_not_run_again():
+    """``price`` and ``channels_last_scratch`` with ``known`` (a session's measurements, by what each op
+    computes): the second pricing of the same step, as a region traced again gets, runs nothing and costs the
+    same; a step with an op not measured before is measured."""
+    import torch.nn as nn
+
+    from karma_fx.passes import measure
+    from karma_fx.passes.capture import capture
+    from karma_fx.passes.liveness import build_problem
+    from karma_fx.pricing import channels_last_scratch, choose, price
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 4))
+    x = torch.randn(4, 3, 8, 8)
+    step = capture(model, (x,))
+    primals = measure.real_primals(step, model, (x,), {})
+    runs = []
+    original = measure._run_joint
+    measure._run_joint = lambda *a, **k: (runs.append(1), original(*a, **k))[1]
+    try:
+        known: dict = {}
+        pricing = choose(None, None, runs_here=True)
+        first = price(step, build_problem(step), pricing, primals, known=known)
+        scratch = channels_last_scratch(step, primals, known=known)
+        measured = len(runs)
+        again = price(step, build_problem(step), pricing, primals, known=known)
+        assert channels_last_scratch(step, primals, known=known) == scratch
+        assert measured > 0 and len(runs) == measured, "priced from what was measured"
+        assert again[0] == first[0] and again[1].op_time_us == first[1].op_time_us and again[2] == first[2]
+        wider = nn.Sequential(*model[:4], nn.Linear(8 * 8 * 8, 6))  # one op not measured before
+        other = capture(wider, (x,))
+        price(other, build_problem(other), pricing, measure.real_primals(other, wider, (x,), {}), known=known)
+        assert len(runs) > measured
+    finally:
+        measure._run_joint = original
