@@ -230,13 +230,12 @@ class GradientPipeline:
             return
         del self._expected[slot]
         p = self.params[slot]
-        in_place = p.grad is not None and id(p.grad) not in self._read
+        read = p.grad is not None and id(p.grad) in self._read
         if self.accumulating:
-            p.grad = landed(grad).clone() if p.grad is None else \
-                _accumulated(p.grad, landed(grad)) if in_place else p.grad + landed(grad)
+            p.grad = landed(grad).clone() if p.grad is None else _accumulated(p.grad, landed(grad), read)
         else:
             if p.grad is not None:  # accumulated under no_sync(): this step's update takes it in
-                grad = _accumulated(p.grad, landed(grad)) if in_place else p.grad + landed(grad)
+                grad = _accumulated(p.grad, landed(grad), read)
                 p.grad = None
             self._add(slot, grad)
         if not self._expected:
@@ -366,11 +365,12 @@ class GradientPipeline:
              "dur": max((e - s) * 1e6, 1.0)} for name, cat, s, e in self.trace_events]}
 
 
-def _accumulated(held: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def _accumulated(held: torch.Tensor, grad: torch.Tensor, read: bool = False) -> torch.Tensor:
     """``held + grad``, added into ``held`` where autograd's own accumulation would add in place (same shape,
     dtype and device, dense, no graph being built): the accumulated gradient keeps its storage, as ``.grad``
-    does in eager training, and the step holds no third tensor of the parameter's size while it adds."""
-    if (held.shape == grad.shape and held.dtype == grad.dtype and held.device == grad.device
+    does in eager training, and the step holds no third tensor of the parameter's size while it adds. Never
+    into a ``held`` that a forward of the step ``read`` (its backward may read it after this call)."""
+    if (not read and held.shape == grad.shape and held.dtype == grad.dtype and held.device == grad.device
             and held.layout == grad.layout == torch.strided and not torch.is_grad_enabled()):
         return held.add_(grad)
     return held + grad
