@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from karma_fx.device import DeviceSpec
 
 __all__ = ["GraphFormatError", "ExternalGraph", "read_node_link", "from_node_link", "graph_costs", "prepare_graph",
-           "random_layered_graph"]
+           "random_layered_graph", "random_wide_graph"]
 
 CPU_TAGS = ("cost_cpu", "duration")
 RAM_TAGS = ("cost_ram", "out_cost")
@@ -461,3 +461,73 @@ def random_layered_graph(n_nodes: int, seed: int, *, max_width: int = 4, edge_pr
     return {"directed": True, "multigraph": False,
             "graph": {"name": f"layered-{2 * n_fwd}-s{seed}", "seed": seed},
             "nodes": nodes, "links": [{"source": s, "target": t} for s, t in links]}
+
+
+def random_wide_graph(n_nodes: int, seed: int, *, width: float = 0.3, skip: float = 0.14) -> dict[str, Any]:
+    """A random graph without a backward shaped like Moccasin's random layered graphs, as a node-link dict in
+    their format (no ids, links keyed ``"0"`` / ``"1"``, the cost keys named by graph attributes, a source, a
+    target and an order), the same for the same arguments.
+
+    Where ``random_layered_graph(backward=False)`` makes narrow chains (a node reads two or three others, so
+    each op's own inputs are most of the peak and nothing can lower it much), Moccasin's graphs are wide and
+    long-ranged, which is what makes rematerialization pay. Here: a source (node 0, no time) read by the first
+    layer, then layers of random width up to ``width`` x 3.3 x sqrt(``n_nodes``) (10 nodes at 100 nodes, 33
+    at 1000, as in Moccasin's files of those sizes); each node reads the nodes of the layer before at its
+    scaled position and the two beside it (each of those with probability 0.7), every node is read by the next
+    layer, and with probability ``skip`` a node is also read by a random node two or more layers later. The
+    last layer is read by the target (node 1, no time). Times are random integers from 1 to 1000, sizes random
+    multiples of 10 from 10 to 6200; the execution order interleaves neighbouring layers, as theirs do."""
+    if not isinstance(n_nodes, int) or n_nodes < 4:
+        raise KarmaError(f"n_nodes must be an integer of at least 4, got {n_nodes!r}")
+    if not 0 < width or not 0 <= skip <= 1:
+        raise KarmaError("width must be positive and skip in [0, 1]")
+    rng = random.Random(seed)
+    widest = max(2, round(width * 3.3 * math.sqrt(n_nodes)))
+    layers, nxt, left = [[0]], 2, n_nodes - 2
+    while left > 0:
+        size = min(left, rng.randint(1, widest))
+        layers.append(list(range(nxt, nxt + size)))
+        nxt, left = nxt + size, left - size
+    layers.append([1])
+    preds: dict[int, set[int]] = {v: set() for v in range(n_nodes)}
+    for depth in range(1, len(layers)):
+        before, here = layers[depth - 1], layers[depth]
+        for k, v in enumerate(here):
+            centre = min(len(before) - 1, int((k + 0.5) / len(here) * len(before)))
+            preds[v].add(before[centre])
+            for u in before[max(0, centre - 1):centre + 2]:
+                if rng.random() < 0.7:
+                    preds[v].add(u)
+        for u in before:
+            if not any(u in preds[v] for v in here):
+                preds[rng.choice(here)].add(u)
+    depth_of = {v: d for d, layer in enumerate(layers) for v in layer}
+    for d, layer in enumerate(layers[1:-1], start=1):
+        later = [v for layer_after in layers[d + 2:-1] for v in layer_after]
+        for v in layer:
+            if later and rng.random() < skip:
+                preds[rng.choice(later)].add(v)
+    jitter = {v: depth_of[v] + 1.5 * rng.random() for v in range(n_nodes)}
+    waiting = {v: len(preds[v]) for v in range(n_nodes)}
+    readers: dict[int, list[int]] = {v: [] for v in range(n_nodes)}
+    for v, ps in preds.items():
+        for u in ps:
+            readers[u].append(v)
+    order, ready = [], [(jitter[0], 0)]
+    while ready:  # a topological order, by jittered depth among the nodes whose inputs are made
+        ready.sort(reverse=True)
+        _, v = ready.pop()
+        order.append(v)
+        for w in readers[v]:
+            waiting[w] -= 1
+            if not waiting[w]:
+                ready.append((jitter[w], w))
+    sizes = [10 * rng.randint(1, 620) for _ in range(n_nodes)]
+    times = [0, 0] + [rng.randint(1, 1000) for _ in range(n_nodes - 2)]
+    return {"directed": True, "multigraph": False,
+            "graph": {"name": f"wide-{n_nodes}-s{seed}", "seed": seed, "source_node": 0, "target_node": 1,
+                      "node_duration_tag": "duration", "node_output_cost_tag": "out_cost",
+                      "node_param_cost_tag": "param_cost", "order": order},
+            "nodes": [{"name": v, "duration": times[v], "out_cost": sizes[v], "param_cost": 0}
+                      for v in range(n_nodes)],
+            "links": [{"0": u, "1": v} for v in range(n_nodes) for u in sorted(preds[v])]}
