@@ -16,7 +16,7 @@ from karma_fx.plan import Offload
 
 from karma_fx.api import Prepared
 from karma_fx.errors import InfeasibleBudgetError
-from karma_fx.external import prepare_graph, random_layered_graph
+from karma_fx.external import prepare_graph, random_layered_graph, random_wide_graph
 from karma_fx.strategies.base import figures_of
 from karma_fx.strategies.leanest import backward_swaps, leanest_recomputes, leanest_swaps
 
@@ -57,7 +57,8 @@ def assert_floor_is_reached(prep: Prepared) -> int:
 
 
 GRAPHS = {"chain": lambda: chain_graph([3136, 3136, 784, 1568, 1568, 392, 784, 784, 784, 196, 392, 392, 98, 4]),
-          **{f"layered-{n}": (lambda n=n: random_layered_graph(n, n)) for n in (40, 100)}}
+          **{f"layered-{n}": (lambda n=n: random_layered_graph(n, n)) for n in (40, 100)},
+          "wide-250": lambda: random_wide_graph(250, 250)}
 
 
 @pytest.mark.parametrize("name", sorted(GRAPHS))

@@ -78,16 +78,19 @@ REMAT_PROBES = 8
 def leanest_remat(problem: Problem, costs: Costs) -> tuple[Decision, ...]:
     """The leanest plan ``remat``'s greedy pass finds, for graphs without a backward where it is the only
     strategy that moves anything: asked for nothing it minimises the bytes over budget summed over the step,
-    not the peak, so the budget is bisected between nothing and the unplanned peak instead."""
+    not the peak, so the budget is bisected between nothing and the unplanned peak instead. A probe that misses
+    its budget still reaches a peak of its own: the lowest reached by any probe is the floor."""
     peak = figures_of(problem, costs, ()).peak_bytes
     low, high, best = 0, peak, ()
     for _ in range(REMAT_PROBES):
         mid = (low + high) // 2
+        if mid <= low:
+            break
         decisions = Remat(exact=False)(problem, costs, mid).decisions
         reached = figures_of(problem, costs, decisions).peak_bytes
-        if reached <= mid:
+        if reached < high:
             best, high = decisions, reached
-        else:
+        if reached > mid:
             low = mid
     return best
 

@@ -109,7 +109,8 @@ class CpSat:
         claims neither."""
         plan = self._plan_saved(problem, costs, budget_bytes)
         general = [s for s in self.fallbacks if getattr(s, "recompute_only", False)]
-        if costs.allow_offload or not general or not plan.decisions and plan.status == "OPTIMAL":
+        if (costs.allow_offload or not general and problem.saved_activations()
+                or not plan.decisions and plan.status == "OPTIMAL"):
             return plan
         mine = figures_of(problem, costs, plan.decisions)
         lowest = None
@@ -129,6 +130,16 @@ class CpSat:
             if tl.peak_bytes > budget_bytes and tl.peak_bytes < mine.peak_bytes and (
                     lowest is None or tl.peak_bytes < lowest[0]):
                 lowest = (tl.peak_bytes, other)
+        if mine.peak_bytes > budget_bytes and not problem.saved_activations():
+            leanest = leanest_decisions(problem, costs)
+            tl = figures_of(problem, costs, leanest)
+            if tl.peak_bytes <= budget_bytes:
+                return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
+                            status="FALLBACK:leanest", notes=(
+                                "general rematerialization found no plan that fits in its time, the leanest plan "
+                                "known does; no bound is claimed",))
+            if lowest is None or tl.peak_bytes < lowest[0]:
+                lowest = (tl.peak_bytes, Plan(strategy="leanest", budget_bytes=budget_bytes, decisions=leanest))
         if lowest is not None:  # nothing fits: the plan with the lowest peak, as below
             return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=lowest[1].decisions,
                         status="INFEASIBLE", lower_bound_us=None,
@@ -166,6 +177,13 @@ class CpSat:
         if not out_of_time():
             progress.report("lower bound", strategy=self.name)
             proven = lower_bound_us(problem, costs, budget_bytes, base)
+            if proven is None and not costs.allow_offload and not problem.saved_activations():
+                # nothing here to move but by general rematerialization, which ``_plan`` runs next, within the
+                # time limit; the leanest plan (greedy's, its budget bisected: seconds on a 1000-node graph,
+                # and slower than remat's plans) only where remat's does not fit
+                return Plan(strategy=self.name, budget_bytes=budget_bytes, status="INFEASIBLE",
+                            notes=("no tensor is saved for a backward: only general rematerialization moves "
+                                   "anything",))
             if proven is None:
                 # The relaxation covers plans of saved activations; the leanest plan may also swap out what the
                 # backward makes (``leanest.backward_swaps``), or (without a host link) rematerialize generally
