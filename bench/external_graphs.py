@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", default="100,250,500,1000")
     parser.add_argument("--budgets", default="0.9,0.8,0.7,0.5")
     parser.add_argument("--time-limit", type=float, default=10.0)
-    parser.add_argument("--forward-only", action="store_true",
-                        help="generate narrow layered graphs without a backward, in Moccasin's format")
-    parser.add_argument("--wide", action="store_true",
-                        help="generate wide graphs without a backward and with long skips, shaped like Moccasin's "
-                             "random layered graphs (karma_fx.external.random_wide_graph)")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--forward-only", action="store_true",
+                       help="generate narrow layered graphs without a backward, in Moccasin's format")
+    shape.add_argument("--wide", action="store_true",
+                       help="generate wide graphs without a backward and with long skips, shaped like Moccasin's "
+                            "random layered graphs (karma_fx.external.random_wide_graph)")
     parser.add_argument("--graph", action="append", default=[], help="a node-link JSON file to plan (repeatable)")
     args = parser.parse_args(argv)
     if args.graph:

@@ -30,11 +30,11 @@ def dependency_graph(problem: Problem) -> nx.DiGraph:
 
 
 def recompute_ops(problem: Problem, targets: list[str] | tuple[str, ...], resident: Container[str],
-                  graph: nx.DiGraph | None = None) -> tuple[int, ...]:
+                  graph: nx.DiGraph | None = None, max_ops: int | None = None) -> tuple[int, ...]:
     """The ops to re-run, in execution order, to rebuild ``targets`` from the ``resident`` storages.
 
-    Raises ``ValueError`` if that needs an op that must not run twice (random, mutating) or a graph input
-    that is not resident.
+    Raises ``ValueError`` if that needs an op that must not run twice (random, mutating), a graph input that
+    is not resident, or more than ``max_ops`` ops (the walk stops there).
     """
     g = graph if graph is not None else dependency_graph(problem)
     # Walk producers backwards from each target and stop at resident storages: the work is proportional to
@@ -54,6 +54,8 @@ def recompute_ops(problem: Problem, targets: list[str] | tuple[str, ...], reside
                 raise ValueError(f"rebuilding {list(targets)} needs graph input {node[1]}, which is not resident")
         else:
             needed.add(node[1])
+            if max_ops is not None and len(needed) > max_ops:
+                raise ValueError(f"rebuilding {list(targets)} needs more than {max_ops} ops")
         stack.extend(g.predecessors(node))
     for i in needed:
         if not problem.ops[i].recomputable:

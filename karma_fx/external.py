@@ -471,8 +471,8 @@ def random_wide_graph(n_nodes: int, seed: int, *, width: float = 0.3, skip: floa
     Where ``random_layered_graph(backward=False)`` makes narrow chains (a node reads two or three others, so
     each op's own inputs are most of the peak and nothing can lower it much), Moccasin's graphs are wide and
     long-ranged, which is what makes rematerialization pay. Here: a source (node 0, no time) read by the first
-    layer, then layers of random width up to ``width`` x 3.3 x sqrt(``n_nodes``) (10 nodes at 100 nodes, 33
-    at 1000, as in Moccasin's files of those sizes); each node reads the nodes of the layer before at its
+    layer, then layers of random width up to ``width`` x 3.3 x sqrt(``n_nodes``) (10 nodes at 100 nodes, 31
+    at 1000; Moccasin's files of those sizes have 9 and 33); each node reads the nodes of the layer before at its
     scaled position and the two beside it (each of those with probability 0.7), every node is read by the next
     layer, and with probability ``skip`` a node is also read by a random node two or more layers later. The
     last layer is read by the target (node 1, no time). Times are random integers from 1 to 1000, sizes random

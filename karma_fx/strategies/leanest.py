@@ -86,7 +86,7 @@ def leanest_remat(problem: Problem, costs: Costs) -> tuple[Decision, ...]:
         mid = (low + high) // 2
         if mid <= low:
             break
-        decisions = Remat(exact=False)(problem, costs, mid).decisions
+        decisions = Remat(exact=False, anywhere=False)(problem, costs, mid).decisions
         reached = figures_of(problem, costs, decisions).peak_bytes
         if reached < high:
             best, high = decisions, reached

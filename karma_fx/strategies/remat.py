@@ -44,6 +44,10 @@ TRIED_PER_STEP = 8
 """Gaps replayed per greedy step at most, the best by their estimate (``_estimated_gain``), until one replayed
 does at least as well as the next is estimated to: enough that the estimate's misses (a rebuild's own peak, a
 peak that moves) are caught, few enough that a 1000-node graph plans in seconds."""
+DEEPEST = 32
+"""Ops a rebuild from what the plan holds anyway (``rebuild``'s second form) may re-run at most: the walk back
+through dropped tensors reaches the graph's source on Moccasin-shaped graphs, and such chains cost more than
+they save while their search took most of greedy's time."""
 TIGHTENINGS = 4
 """Exact solves at most: the first at the budget, each next one at the budget less what the last plan's replay
 found over it."""
@@ -87,10 +91,15 @@ class Remat:
     """``cpsat`` runs it as a fallback only without a host link: on a training graph with one, offloading and
     the saved-activation models do better, and remat's search over every gap costs seconds per thousand ops."""
 
-    def __init__(self, *, exact: bool = True, max_steps: int = 400, time_limit_s: float | None = None) -> None:
+    def __init__(self, *, exact: bool = True, max_steps: int = 400, time_limit_s: float | None = None,
+                 anywhere: bool = True) -> None:
+        """``anywhere``: where no gap across the op furthest over the budget helps, greedy tries the gaps across
+        every op over it (4x the work of a step; the leanest plan's bisection, far below what fits, leaves it
+        out)."""
         self.exact = exact
         self.max_steps = max_steps
         self.time_limit_s = time_limit_s
+        self.anywhere = anywhere
 
     def __call__(self, problem: Problem, costs: Costs, budget_bytes: int) -> Plan:
         with progress.deadline(self.time_limit_s):
@@ -134,11 +143,13 @@ class Remat:
             held_at = _held_per_op(problem, state)
             excess_at = np.maximum(held_at - budget_bytes, 0)
             worst = int(np.argmax(excess_at))
-            # Only gaps across the op furthest over the budget: what fits the step must lower that one (gaps
-            # elsewhere, tried where none there helped, took 86 more rebuilds on a 1000-node graph and fitted
-            # nothing), and ranking every gap across any op over the budget took 4x longer a step.
-            best = _best_move(problem, costs, budget_bytes, graph, gaps, taken, state, held_at,
+            # Gaps across the op furthest over the budget first (ranking every gap across any op over the budget
+            # took 4x longer a step); where none of those helps (the excess there may be a rebuild's own), any.
+            best = _best_move(problem, costs, budget_bytes, graph, gaps, taken, held_at,
                               lambda g: g.after < worst < g.before)
+            if best is None and self.anywhere:
+                best = _best_move(problem, costs, budget_bytes, graph, gaps, taken, held_at,
+                                  lambda g: bool(excess_at[g.after + 1:g.before + 1].any()))
             if best is None:
                 break
             taken.append((best[1], best[2]))
@@ -191,7 +202,7 @@ class Remat:
 
 
 def _best_move(problem: Problem, costs: Costs, budget_bytes: int, graph: nx.DiGraph, gaps: list[IdleGap],
-               taken: list[tuple[IdleGap, Recompute]], state: Timeline, held_at: np.ndarray, across: Any
+               taken: list[tuple[IdleGap, Recompute]], held_at: np.ndarray, across: Any
                ) -> tuple[float, IdleGap, Recompute, Timeline] | None:
     """Greedy's next gap among those ``across`` accepts: ranked by estimated bytes over the budget (summed over the
     step) removed per µs of rebuilding, replayed best first until one replayed does at least as well as the next
@@ -200,25 +211,30 @@ def _best_move(problem: Problem, costs: Costs, budget_bytes: int, graph: nx.DiGr
     used = {(g.tensor, g.after) for g, _ in taken}
     read_until = _read_by_rebuilds_until(problem, [d for _, d in taken])
     ranked = []
+    plan = [t for t, _ in taken]
+    held_to = _held_to(problem)
     for g in gaps:
         if (g.tensor, g.after) in used or not across(g):
             continue
-        decision = rebuild(problem, graph, g, [t for t, _ in taken])
+        decision = rebuild(problem, graph, g, plan)
         if decision is None:
             continue
-        work = sum(costs.rebuild_us(problem, problem.op_index(o)) for o in decision.ops)
-        gain = _estimated_gain(problem, g, decision, held_at, budget_bytes, read_until)
-        ranked.append((-gain / (work + 1e-3), g.tensor, g.after, g, decision))
-    ranked.sort(key=lambda r: r[:3])
-    excess = _excess(state, budget_bytes)
+        deeper = rebuild(problem, graph, g, plan, (held_to, read_until))
+        for k, d in enumerate((decision,) if deeper is None or deeper.ops == decision.ops else (decision, deeper)):
+            work = sum(costs.rebuild_us(problem, problem.op_index(o)) for o in d.ops)
+            gain = _estimated_gain(problem, g, d, held_at, budget_bytes, read_until)
+            ranked.append((-gain / (work + 1e-3), g.tensor, g.after, k, g, d))
+    ranked.sort(key=lambda r: r[:4])
+    excess = int(np.maximum(held_at - budget_bytes, 0).sum())
     best = None
     tried = ranked[:TRIED_PER_STEP]
-    for k, (_, _, _, g, decision) in enumerate(tried):
+    for k, (*_, g, decision) in enumerate(tried):
         tl = _replay(problem, costs, [d for _, d in taken] + [decision])
         if tl is None:
             continue
-        gain = excess - _excess(tl, budget_bytes)
-        rate = gain / (tl.makespan_us - state.makespan_us + 1e-3)
+        # measured as estimated: excess per op (a rebuild step folded into the op after it), per µs rebuilt
+        gain = excess - int(np.maximum(_held_per_op(problem, tl) - budget_bytes, 0).sum())
+        rate = gain / (sum(costs.rebuild_us(problem, problem.op_index(o)) for o in decision.ops) + 1e-3)
         if gain > 0 and (best is None or rate > best[0]):
             best = (rate, g, decision, tl)
         if best is not None and k + 1 < len(tried) and best[0] >= -tried[k + 1][0]:
@@ -226,16 +242,41 @@ def _best_move(problem: Problem, costs: Costs, budget_bytes: int, graph: nx.DiGr
     return best
 
 
-def rebuild(problem: Problem, graph: nx.DiGraph, gap: IdleGap, plan: list[IdleGap]) -> Recompute | None:
+class _HeldThere:
+    """What a rebuild before op ``at`` may read without rebuilding it: what the plan holds there anyway (read at
+    or after ``at``, or by a rebuild of the plan at or after it, or an output of the step), not dropped across it.
+    ``held_to``: each tensor's last reader in the step as written (``_held_to``), past the end if it lives on."""
+
+    def __init__(self, held_to: dict[str, int], at: int, away: set[str], read_until: dict[str, int]) -> None:
+        self.held_to, self.at, self.away, self.read_until = held_to, at, away, read_until
+
+    def __contains__(self, name: object) -> bool:
+        return (name not in self.away and (self.held_to[name] >= self.at  # type: ignore[index]
+                                           or self.read_until.get(name, -1) >= self.at))  # type: ignore[arg-type]
+
+
+def _held_to(problem: Problem) -> dict[str, int]:
+    """Each tensor's last reader in the step as written; past the last op for inputs and outputs of the step."""
+    end = len(problem.ops)
+    return {s.name: end if s.producer is None or s.lives_to_end else max([s.producer, *s.users])
+            for s in problem.storages}
+
+
+def rebuild(problem: Problem, graph: nx.DiGraph, gap: IdleGap, plan: list[IdleGap],
+            held: tuple[dict[str, int], dict[str, int]] | None = None) -> Recompute | None:
     """The recompute that drops ``gap``'s tensor and rebuilds it before ``gap.before``, reading what ``plan``
     leaves there (its other gaps open across that op are rebuilt too), or None if it cannot be rebuilt.
 
-    Every other input is kept alive until the rebuild. Rebuilding from what the unplanned step still holds
-    there instead (and rebuilding the rest), offered beside it, changed nothing at 0.9 / 0.8 / 0.7 on
-    Moccasin's 100-node graph or generated ones of 100 and 250 nodes, and lowered one floor by 2%."""
+    Without ``held``, every other input is kept alive until the rebuild. With ``held`` (``_held_to`` and
+    ``_read_by_rebuilds_until``), the rebuild reads only what the plan holds there anyway and rebuilds the rest
+    too, at most ``DEEPEST`` ops: greedy offers both. The second form, first tried with the ranking by bytes times
+    ops over the budget, changed nothing; with gaps ranked by their estimated effect it fits a 1000-node
+    Moccasin-shaped graph (``random_wide_graph(1000, 1000)``) at 0.8 of its peak, where the first alone stops at
+    0.85."""
     away = {g.tensor for g in plan if g.after < gap.before <= g.before and g is not gap} | {gap.tensor}
+    resident = _NotAway(away) if held is None else _HeldThere(held[0], gap.before, away, held[1])
     try:
-        chain = recompute_ops(problem, [gap.tensor], _NotAway(away), graph)
+        chain = recompute_ops(problem, [gap.tensor], resident, graph, None if held is None else DEEPEST)
     except ValueError:
         return None
     if not chain:
@@ -301,14 +342,9 @@ def _estimated_gain(problem: Problem, gap: IdleGap, decision: Recompute, held_at
     delta = np.zeros(end + 1 - start, dtype=np.int64)
     delta[gap.after + 1 - start:gap.before - start] -= gap.size_bytes
     for first, size in kept:
-        delta[first - start:] += size
+        delta[first - start:end - start] += size  # freed after the rebuild: op ``gap.before`` does not read it
     held = held_at[start:end + 1]
     return int(np.maximum(held - budget_bytes, 0).sum() - np.maximum(held + delta - budget_bytes, 0).sum())
-
-
-def _excess(timeline: Timeline, budget_bytes: int) -> int:
-    """Bytes over the budget, summed over the compute steps: what a plan still has to remove."""
-    return sum(max(0, b - budget_bytes) for _, b in timeline.memory)
 
 
 def _ops_over(problem: Problem, timeline: Timeline, budget_bytes: int) -> list[int]:

@@ -130,14 +130,15 @@ class CpSat:
             if tl.peak_bytes > budget_bytes and tl.peak_bytes < mine.peak_bytes and (
                     lowest is None or tl.peak_bytes < lowest[0]):
                 lowest = (tl.peak_bytes, other)
-        if mine.peak_bytes > budget_bytes and not problem.saved_activations():
+        if mine.peak_bytes > budget_bytes and not plan.decisions and not problem.saved_activations():
             leanest = leanest_decisions(problem, costs)
             tl = figures_of(problem, costs, leanest)
             if tl.peak_bytes <= budget_bytes:
+                why = "found no plan that fits in its time" if general else "is not among the fallbacks"
                 return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
                             status="FALLBACK:leanest", notes=(
-                                "general rematerialization found no plan that fits in its time, the leanest plan "
-                                "known does; no bound is claimed",))
+                                f"general rematerialization (remat) {why}; the leanest plan known fits; no bound is "
+                                "claimed",))
             if lowest is None or tl.peak_bytes < lowest[0]:
                 lowest = (tl.peak_bytes, Plan(strategy="leanest", budget_bytes=budget_bytes, decisions=leanest))
         if lowest is not None:  # nothing fits: the plan with the lowest peak, as below
@@ -186,7 +187,7 @@ class CpSat:
                                    "anything",))
             if proven is None:
                 # The relaxation covers plans of saved activations; the leanest plan may also swap out what the
-                # backward makes (``leanest.backward_swaps``), or (without a host link) rematerialize generally
+                # backward makes (``leanest.backward_swaps``)
                 leanest = leanest_decisions(problem, costs)
                 if figures_of(problem, costs, leanest).peak_bytes <= budget_bytes:
                     return Plan(strategy=self.name, budget_bytes=budget_bytes, decisions=leanest,
