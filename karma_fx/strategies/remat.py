@@ -134,21 +134,23 @@ class Remat:
                 gaps: list[IdleGap]) -> tuple[list[tuple[IdleGap, Recompute]], Timeline, bool]:
         taken: list[tuple[IdleGap, Recompute]] = []
         state, stopped = keep, False
+        held_to = _held_to(problem)
         for _ in range(self.max_steps):
-            if not _ops_over(problem, state, budget_bytes):
+            held_at = _held_per_op(problem, state)
+            excess_at = np.maximum(held_at - budget_bytes, 0)
+            if not excess_at.any():
                 break
             if taken and progress.past_deadline():
                 stopped = True
                 break
-            held_at = _held_per_op(problem, state)
-            excess_at = np.maximum(held_at - budget_bytes, 0)
             worst = int(np.argmax(excess_at))
+            held = (held_to, _read_by_rebuilds_until(problem, [d for _, d in taken]))
             # Gaps across the op furthest over the budget first (ranking every gap across any op over the budget
             # took 4x longer a step); where none of those helps (the excess there may be a rebuild's own), any.
-            best = _best_move(problem, costs, budget_bytes, graph, gaps, taken, held_at,
+            best = _best_move(problem, costs, budget_bytes, graph, gaps, taken, held_at, held,
                               lambda g: g.after < worst < g.before)
             if best is None and self.anywhere:
-                best = _best_move(problem, costs, budget_bytes, graph, gaps, taken, held_at,
+                best = _best_move(problem, costs, budget_bytes, graph, gaps, taken, held_at, held,
                                   lambda g: bool(excess_at[g.after + 1:g.before + 1].any()))
             if best is None:
                 break
@@ -202,39 +204,38 @@ class Remat:
 
 
 def _best_move(problem: Problem, costs: Costs, budget_bytes: int, graph: nx.DiGraph, gaps: list[IdleGap],
-               taken: list[tuple[IdleGap, Recompute]], held_at: np.ndarray, across: Any
+               taken: list[tuple[IdleGap, Recompute]], held_at: np.ndarray,
+               held: tuple[dict[str, int], dict[str, int]], across: Any
                ) -> tuple[float, IdleGap, Recompute, Timeline] | None:
     """Greedy's next gap among those ``across`` accepts: ranked by estimated bytes over the budget (summed over the
     step) removed per µs of rebuilding, replayed best first until one replayed does at least as well as the next
     is estimated to. Returns (rate, gap, its rebuild, the timeline with it), or None where no gap replayed
-    removes any."""
+    removes any. ``held``: ``_held_to`` and ``_read_by_rebuilds_until`` of the plan ``taken``."""
     used = {(g.tensor, g.after) for g, _ in taken}
-    read_until = _read_by_rebuilds_until(problem, [d for _, d in taken])
     ranked = []
     plan = [t for t, _ in taken]
-    held_to = _held_to(problem)
     for g in gaps:
         if (g.tensor, g.after) in used or not across(g):
             continue
         decision = rebuild(problem, graph, g, plan)
         if decision is None:
             continue
-        deeper = rebuild(problem, graph, g, plan, (held_to, read_until))
+        deeper = rebuild(problem, graph, g, plan, held)
         for k, d in enumerate((decision,) if deeper is None or deeper.ops == decision.ops else (decision, deeper)):
             work = sum(costs.rebuild_us(problem, problem.op_index(o)) for o in d.ops)
-            gain = _estimated_gain(problem, g, d, held_at, budget_bytes, read_until)
-            ranked.append((-gain / (work + 1e-3), g.tensor, g.after, k, g, d))
+            gain = _estimated_gain(problem, g, d, held_at, budget_bytes, held[1])
+            ranked.append((-gain / (work + 1e-3), g.tensor, g.after, k, work, g, d))
     ranked.sort(key=lambda r: r[:4])
     excess = int(np.maximum(held_at - budget_bytes, 0).sum())
     best = None
     tried = ranked[:TRIED_PER_STEP]
-    for k, (*_, g, decision) in enumerate(tried):
+    for k, (*_, work, g, decision) in enumerate(tried):
         tl = _replay(problem, costs, [d for _, d in taken] + [decision])
         if tl is None:
             continue
         # measured as estimated: excess per op (a rebuild step folded into the op after it), per µs rebuilt
         gain = excess - int(np.maximum(_held_per_op(problem, tl) - budget_bytes, 0).sum())
-        rate = gain / (sum(costs.rebuild_us(problem, problem.op_index(o)) for o in decision.ops) + 1e-3)
+        rate = gain / (work + 1e-3)
         if gain > 0 and (best is None or rate > best[0]):
             best = (rate, g, decision, tl)
         if best is not None and k + 1 < len(tried) and best[0] >= -tried[k + 1][0]:
@@ -313,11 +314,15 @@ def _read_by_rebuilds_until(problem: Problem, decisions: list[Recompute]) -> dic
     until: dict[str, int] = {}
     for d in decisions:
         at = problem.op_index(d.reload_before)
-        ops = [problem.ops[problem.op_index(name)] for name in d.ops]
-        rebuilt = {o for op in ops for o in op.outputs}
-        for name in {i for op in ops for i in op.inputs} - rebuilt:
+        for name in _chain_reads(problem, d):
             until[name] = max(until.get(name, -1), at)
     return until
+
+
+def _chain_reads(problem: Problem, decision: Recompute) -> set[str]:
+    """The tensors a rebuild's ops read that the rebuild does not make itself."""
+    ops = [problem.ops[problem.op_index(name)] for name in decision.ops]
+    return {i for op in ops for i in op.inputs} - {o for op in ops for o in op.outputs}
 
 
 def _estimated_gain(problem: Problem, gap: IdleGap, decision: Recompute, held_at: np.ndarray,
@@ -329,9 +334,8 @@ def _estimated_gain(problem: Problem, gap: IdleGap, decision: Recompute, held_at
     times the ops over the budget alone put first the gaps whose rebuilds keep larger inputs alive, and greedy
     stopped at 0.97 of a 1000-node graph's peak where it reaches 0.8 replaying every gap."""
     start, end = gap.after + 1, gap.before  # the rebuild runs before op ``gap.before``: count it there
-    rebuilt = {o for name in decision.ops for o in problem.ops[problem.op_index(name)].outputs}
     kept: list[tuple[int, int]] = []
-    for name in {i for name in decision.ops for i in problem.ops[problem.op_index(name)].inputs} - rebuilt:
+    for name in _chain_reads(problem, decision):
         storage = problem.storage(name)
         if storage.lives_to_end or storage.producer is None:
             continue
@@ -345,18 +349,3 @@ def _estimated_gain(problem: Problem, gap: IdleGap, decision: Recompute, held_at
         delta[first - start:end - start] += size  # freed after the rebuild: op ``gap.before`` does not read it
     held = held_at[start:end + 1]
     return int(np.maximum(held - budget_bytes, 0).sum() - np.maximum(held + delta - budget_bytes, 0).sum())
-
-
-def _ops_over(problem: Problem, timeline: Timeline, budget_bytes: int) -> list[int]:
-    """The ops of the step during which (or during whose rebuilds) the device holds more than the budget."""
-    items = [iv for iv in timeline.compute if iv.kind in ("op", "recompute")]
-    over: set[int] = set()
-    pending = False
-    for iv, (_, b) in zip(items, timeline.memory):
-        if iv.kind == "recompute":
-            pending = pending or b > budget_bytes
-            continue
-        if b > budget_bytes or pending:
-            over.add(problem.op_index(iv.label))
-        pending = False
-    return sorted(over)
