@@ -479,8 +479,9 @@ def random_wide_graph(n_nodes: int, seed: int, *, width: float = 0.3, skip: floa
     multiples of 10 from 10 to 6200; the execution order interleaves neighbouring layers, as theirs do."""
     if not isinstance(n_nodes, int) or n_nodes < 4:
         raise KarmaError(f"n_nodes must be an integer of at least 4, got {n_nodes!r}")
-    if not 0 < width or not 0 <= skip <= 1:
-        raise KarmaError("width must be positive and skip in [0, 1]")
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (width, skip)) or not (
+            0 < width and 0 <= skip <= 1):
+        raise KarmaError(f"width must be a positive number and skip a number in [0, 1], got {width!r} and {skip!r}")
     rng = random.Random(seed)
     widest = max(2, round(width * 3.3 * math.sqrt(n_nodes)))
     layers, nxt, left = [[0]], 2, n_nodes - 2

@@ -10,7 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from karma_fx.dependencies import dependency_graph
-from karma_fx.errors import InfeasibleBudgetError
+from karma_fx.errors import InfeasibleBudgetError, KarmaError
 from karma_fx.external import prepare_graph, random_layered_graph, random_wide_graph, read_node_link
 from karma_fx.plan import Plan
 from karma_fx.simulate import simulate
@@ -38,6 +38,9 @@ def test_the_wide_generator_writes_moccasins_shape_with_wide_layers_and_long_ski
     assert (attrs["source_node"], attrs["target_node"]) == (0, 1) and sorted(attrs["order"]) == list(range(1000))
     assert "id" not in data["nodes"][0] and set(data["links"][0]) == {"0", "1"}
     assert data == random_wide_graph(1000, 3)
+    for bad in (dict(n_nodes=3), dict(width="wide"), dict(skip=1.5)):
+        with pytest.raises(KarmaError, match="n_nodes|width"):
+            random_wide_graph(**{"n_nodes": 100, "seed": 0, **bad})
     graph = read_node_link(data)  # the order is a topological one, the target last
     assert graph.node_ids[0] == 0 and graph.node_ids[-1] == 1 and not graph.problem.saved_activations()
     reads = {}
