@@ -87,6 +87,8 @@ def _narrowing_sets(joint: fx.GraphModule, num_fwd_outputs: int) -> list[tuple[s
         sets.append((node.name, [u.name for u in readers]))
         forward.update(readers)
         known.update(readers)
+        for u in readers:  # moved into the forward, a reader may be narrowed in turn: its own storage
+            aliases.setdefault(storage_key(u.meta["val"]), []).append(u)
     return sets
 
 
