@@ -67,7 +67,7 @@ def _narrowing_sets(joint: fx.GraphModule, num_fwd_outputs: int) -> list[tuple[s
     known = forward | primals
     order = {n: i for i, n in enumerate(graph.nodes)}
     output = next(n for n in graph.nodes if n.op == "output")
-    returned = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
+    returned = {a for a in output.args[0] if isinstance(a, fx.Node)}  # the step's outputs and its gradients
     aliases: dict[object, list[fx.Node]] = {}
     for n in known:
         if _is_tensor(n):
@@ -106,10 +106,12 @@ def _stays_anyway(node: fx.Node, same_storage: list[fx.Node], forward: set[fx.No
 
 
 def _movable(node: fx.Node, known: set[fx.Node]) -> bool:
-    """A pointwise op of one tensor result that reads only what the forward has."""
+    """A pointwise op of one tensor result that reads only what the forward has, and draws no random numbers
+    (moved into the forward, a random op such as ``rrelu`` would draw them in another order)."""
     target = node.target
     return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.pointwise in target.tags and _is_tensor(node)
+            and torch.Tag.pointwise in target.tags and torch.Tag.nondeterministic_seeded not in target.tags
+            and _is_tensor(node)
             and bool(node.all_input_nodes) and all(a in known for a in node.all_input_nodes))
 
 

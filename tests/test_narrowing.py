@@ -214,18 +214,21 @@ class AutocastBatchNormNet(nn.Module):
             return self.head(self.body(x).flatten(1))
 
 
-def test_a_cast_moved_into_the_forward_is_narrowed_as_a_forward_tensor():
-    """A backward reader moved into the forward is a forward tensor from then on, with its own storage (before,
-    looking that storage up raised a KeyError, and ``karma_fx.compile`` refused every bf16-mixed CNN with batch
-    norms under Inductor, the default compiler, as a model it could not capture)."""
+def test_a_reader_moved_into_the_forward_is_walked_as_a_forward_tensor():
+    """A backward reader moved into the forward is a forward tensor from then on, with its own storage, and the
+    walk looks at it as one (before, looking that storage up raised a KeyError, and ``karma_fx.compile`` refused
+    every bf16-mixed CNN with batch norms under Inductor, the default compiler, as a model it could not
+    capture). Here each batch norm's bf16 cast of its mean moves; its own reader, the cast back to fp32, is
+    wider, so it stays in the backward."""
     torch.manual_seed(0)
     model = AutocastBatchNormNet()
     x, y = _batch()
     step = capture(copy.deepcopy(model), (x,), inductor=True)
     joint = narrow_saved(step.joint, step.num_fwd_outputs)
-    moved = {n.meta["karma"]["narrowed"]: n for n in joint.graph.nodes if "narrowed" in n.meta.get("karma", {})}
-    casts = [n for n in moved.values() if n.meta["val"].dtype == torch.bfloat16]
+    moved = [n for n in joint.graph.nodes if "narrowed" in n.meta.get("karma", {})]
+    casts = [n for n in moved if n.meta["val"].dtype == torch.bfloat16]
     assert len(casts) == 2  # one for each batch norm's mean
+    assert all(u.meta.get("partitioner_tag") != "is_forward" for n in casts for u in n.users)
     reference = copy.deepcopy(model)
     compiled = karma_fx.compile(model, budget=0.9, compiler="inductor")
     expected = torch.compile(reference)
@@ -237,7 +240,7 @@ def test_a_cast_moved_into_the_forward_is_narrowed_as_a_forward_tensor():
         want = F.cross_entropy(expected(x), y)
         want.backward()
         torch.testing.assert_close(loss, want)
-        for p, q in zip(model.parameters(), reference.parameters()):  # bf16 products, cut at other places
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-3)
+        for p, q in zip(model.parameters(), reference.parameters()):  # bf16 products, rounded at other places
+            assert (p.grad - q.grad).norm() <= 2e-2 * q.grad.norm()
     for a, b in zip(model.buffers(), reference.buffers()):  # the running statistics
         torch.testing.assert_close(a, b)
