@@ -137,7 +137,7 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
         return rerun[op]
 
     away: dict[int, list[tuple]] = {i: [] for i in checked}  # i -> [(gap, x_s,i)]
-    relief: dict[int, list] = {i: [] for i in checked}
+    relief: dict[int, list] = {i: [] for i in checked}  # i -> (variable, bytes it frees there)
     copies_out, copies_in = [], []
     swapped = []  # x_s of every tensor: each swap issues two copy ops, ``Costs.copy_issue_us`` of compute each
     saved = {g.storage.name for g in gaps}
@@ -161,11 +161,13 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
             y = None
         for i in inside:
             xi = var01()
-            lp.Add(xi <= x)
+            _row(lp, -inf, 0.0, ((xi, 1), (x, -1)))  # xi <= x
             away[i].append((g, xi))
-            relief[i].append(size * xi + (size * y if y is not None else 0))
+            relief[i].append((xi, size))
+            if y is not None:
+                relief[i].append((y, size))
     for i in checked:
-        lp.Add(sum(relief[i]) >= base_bytes[i] - budget_bytes)
+        _row(lp, base_bytes[i] - budget_bytes, inf, relief[i])
     if rerun or costs.copy_issue_us:  # compute the plan adds: re-runs, and the copy ops of its swaps
         lp.Add(end >= sum(costs.rebuild_us(problem, o) * r for o, r in rerun.items())
                + 2 * costs.copy_issue_us * sum(swapped))
@@ -174,36 +176,33 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
 
     previous = dict(zip(sync[1:], sync))
 
-    # Stalls happen before an op starts, and a copy issued at a boundary can run during that stall: a window
-    # opens at the end of the op before it (the stall so far excludes the one at its first op) and closes at
-    # the start of its last op (after that op's stall).
-    def window(first: int, last: int):
-        opened = stall[previous[first]] if first in previous else 0
-        return prefix[last] - prefix[first] + stall[last] - opened
-
     # Each stream's capacity as running sums, so that every copy enters once per checked op (the plain
-    # double loop had checked x sync x tensors terms: 145 s to build on resnet1001).
+    # double loop had checked x sync x tensors terms: 145 s to build on resnet1001). Stalls happen before an op
+    # starts, and a copy issued at a boundary can run during that stall: the window (a, i) of copies out opens
+    # at the end of the op before a (the stall so far excludes the one at a) and closes at the start of i
+    # (after i's stall): prefix[i] - prefix[a] + stall[i] - stall[previous[a]].
     for i in checked:
         before = [k for k in sync if k <= i]  # windows (a, i): what was produced at or after a
         by_start: dict[int, list] = {}
         for g, xi in away[i]:
             a = before[bisect.bisect_right(before, g.storage.producer + 1) - 1]
-            by_start.setdefault(a, []).append(costs.copy_time_us(g.storage.size_bytes, "d2h") * xi)
+            by_start.setdefault(a, []).append((xi, costs.copy_time_us(g.storage.size_bytes, "d2h")))
         running = None
         for a in reversed(before):
             running = _accumulate(lp, running, by_start.get(a, ()))
-            if running is not None:
-                lp.Add(running <= window(a, i))
+            if running is not None:  # running <= the window (a, i)
+                opened = ((stall[previous[a]], 1),) if a in previous else ()
+                _row(lp, -inf, prefix[i] - prefix[a], ((running, 1), (stall[i], -1)) + opened)
         after = [k for k in sync if k > i]  # windows (i + 1, q): what is read again by q
         by_end: dict[int, list] = {}
         for g, xi in away[i]:
             q = after[min(bisect.bisect_left(after, g.first_bwd_use), len(after) - 1)]
-            by_end.setdefault(q, []).append(costs.copy_time_us(g.storage.size_bytes, "h2d") * xi)
+            by_end.setdefault(q, []).append((xi, costs.copy_time_us(g.storage.size_bytes, "h2d")))
         running = None
         for q in after:  # a prefetch issued at op p > i: its copy starts after op i ends
             running = _accumulate(lp, running, by_end.get(q, ()))
-            if running is not None:
-                lp.Add(running <= prefix[q] - prefix[i + 1] + stall[q] - stall[i])
+            if running is not None:  # running <= prefix[q] - prefix[i + 1] + stall[q] - stall[i]
+                _row(lp, -inf, prefix[q] - prefix[i + 1], ((running, 1), (stall[q], -1), (stall[i], 1)))
     lp.Minimize(end)
     status = lp.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
@@ -218,12 +217,25 @@ def _solve(problem: Problem, costs: Costs, budget_bytes: int, base_bytes: Sequen
 
 
 def _accumulate(lp, running, terms):
-    """``running`` plus ``terms`` as one new LP variable (or ``running`` itself when there is nothing new)."""
+    """``running`` plus ``terms`` ((variable, coefficient) pairs) as one new LP variable (or ``running`` itself
+    when there is nothing new)."""
     if not terms:
         return running
     total = lp.NumVar(0, lp.infinity(), "")
-    lp.Add(total == (running if running is not None else 0) + sum(terms))
+    _row(lp, 0.0, 0.0, ((total, 1), *(((running, -1),) if running is not None else ()), *((v, -c) for v, c in terms)))
     return total
+
+
+def _row(lp, lower: float, upper: float, terms) -> None:
+    """``lower <= sum(coefficient * variable) <= upper`` over ``terms`` ((variable, coefficient) pairs, a
+    variable named twice counted twice). Made row by row: OR-Tools' expression objects cost ~20x more per
+    coefficient, which was 4 s of the 10 s bound of a 24-layer GPT (56,000 rows)."""
+    coefficients: dict = {}
+    for var, c in terms:
+        coefficients[var] = coefficients.get(var, 0.0) + c
+    row = lp.Constraint(lower, upper)
+    for var, c in coefficients.items():
+        row.SetCoefficient(var, c)
 
 
 def _needs_inputs(problem: Problem, costs: Costs, lp, var01, op: int, wanted, at: int, saved: set[str],
@@ -248,7 +260,7 @@ def _needs_inputs(problem: Problem, costs: Costs, lp, var01, op: int, wanted, at
             last = max(st.users, default=st.producer)
             for i in checked:
                 if last < i < at:
-                    relief[i].append(-st.size_bytes * alive)
+                    relief[i].append((alive, -st.size_bytes))
             copies_out.append(costs.copy_time_us(st.size_bytes, "d2h") * hosted)
             copies_in.append(costs.copy_time_us(st.size_bytes, "h2d") * hosted)
             if problem.ops[st.producer].recomputable:
