@@ -229,7 +229,7 @@ def _accumulate(lp, running, terms):
 def _row(lp, lower: float, upper: float, terms) -> None:
     """``lower <= sum(coefficient * variable) <= upper`` over ``terms`` ((variable, coefficient) pairs, a
     variable named twice counted twice). Made row by row: OR-Tools' expression objects cost ~20x more per
-    coefficient, which was 4 s of the 10 s bound of a 24-layer GPT (56,000 rows)."""
+    coefficient, which was 4 s of the 11 s bound of a 48-layer GPT (56,000 rows)."""
     coefficients: dict = {}
     for var, c in terms:
         coefficients[var] = coefficients.get(var, 0.0) + c
