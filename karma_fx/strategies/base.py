@@ -259,20 +259,37 @@ def figures_of(problem: Problem, costs: Costs, decisions: tuple[Decision, ...] |
     return found
 
 
+def chain_reads(problem: Problem, decision: Recompute) -> set[str]:
+    """The storages a recompute chain's ops read that the chain does not make itself."""
+    ops = [problem.ops[problem.op_index(name)] for name in decision.ops]
+    return {i for op in ops for i in op.inputs} - {o for op in ops for o in op.outputs}
+
+
 def read_by_chains(problem: Problem, decisions: Iterable[Decision]) -> dict[str, int]:
     """Storage -> the earliest op before which a recompute chain of ``decisions`` reads it (from outside the
     chain)."""
-    op_index = problem.op_index
     needed_by: dict[str, int] = {}
     for d in decisions:
         if isinstance(d, Recompute):
-            at = op_index(d.reload_before)
-            made = {s for name in d.ops for s in problem.ops[op_index(name)].outputs}
-            for name in d.ops:
-                for s in problem.ops[op_index(name)].inputs:
-                    if s not in made:
-                        needed_by[s] = min(needed_by.get(s, at), at)
+            at = problem.op_index(d.reload_before)
+            for s in chain_reads(problem, d):
+                needed_by[s] = min(needed_by.get(s, at), at)
     return needed_by
+
+
+def per_op_memory(problem: Problem, timeline: Timeline) -> list[int]:
+    """Device bytes at every op of the step, a recompute chain's steps counted at the op it serves (whichever of
+    the op and the rebuilds just before it holds more)."""
+    out = [0] * len(problem.ops)
+    pending = 0
+    items = (iv for iv in timeline.compute if iv.kind in ("op", "recompute"))  # not stalls, not copy issues
+    for interval, (_, live) in zip(items, timeline.memory):
+        if interval.kind == "recompute":
+            pending = max(pending, live)
+        else:
+            i = problem.op_index(interval.label)
+            out[i], pending = max(live, pending), 0
+    return out
 
 
 def reconcile(problem: Problem, decisions: tuple[Decision, ...] | list[Decision]) -> tuple[Decision, ...]:

@@ -38,7 +38,7 @@ from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, Plan, Recompute
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline
-from karma_fx.strategies.base import timeline_of
+from karma_fx.strategies.base import chain_reads, per_op_memory, timeline_of
 
 TRIED_PER_STEP = 8
 """Gaps replayed per greedy step at most, the best by their estimate (``_estimated_gain``), until one replayed
@@ -295,18 +295,8 @@ def _replay(problem: Problem, costs: Costs, decisions: list[Decision]) -> Timeli
 
 
 def _held_per_op(problem: Problem, timeline: Timeline) -> np.ndarray:
-    """The device bytes during each op of the step, or during the rebuilds just before it (whichever is more)."""
-    items = [iv for iv in timeline.compute if iv.kind in ("op", "recompute")]
-    at = np.zeros(len(problem.ops), dtype=np.int64)
-    pending = 0
-    for iv, (_, b) in zip(items, timeline.memory):
-        if iv.kind == "recompute":
-            pending = max(pending, b)
-            continue
-        k = problem.op_index(iv.label)
-        at[k] = max(b, pending)
-        pending = 0
-    return at
+    """``base.per_op_memory`` as an array: the device bytes during each op, or during the rebuilds just before it."""
+    return np.asarray(per_op_memory(problem, timeline), dtype=np.int64)
 
 
 def _read_by_rebuilds_until(problem: Problem, decisions: list[Recompute]) -> dict[str, int]:
@@ -314,15 +304,9 @@ def _read_by_rebuilds_until(problem: Problem, decisions: list[Recompute]) -> dic
     until: dict[str, int] = {}
     for d in decisions:
         at = problem.op_index(d.reload_before)
-        for name in _chain_reads(problem, d):
+        for name in chain_reads(problem, d):
             until[name] = max(until.get(name, -1), at)
     return until
-
-
-def _chain_reads(problem: Problem, decision: Recompute) -> set[str]:
-    """The tensors a rebuild's ops read that the rebuild does not make itself."""
-    ops = [problem.ops[problem.op_index(name)] for name in decision.ops]
-    return {i for op in ops for i in op.inputs} - {o for op in ops for o in op.outputs}
 
 
 def _estimated_gain(problem: Problem, gap: IdleGap, decision: Recompute, held_at: np.ndarray,
@@ -335,7 +319,7 @@ def _estimated_gain(problem: Problem, gap: IdleGap, decision: Recompute, held_at
     stopped at 0.97 of a 1000-node graph's peak where it reaches 0.8 replaying every gap."""
     start, end = gap.after + 1, gap.before  # the rebuild runs before op ``gap.before``: count it there
     kept: list[tuple[int, int]] = []
-    for name in _chain_reads(problem, decision):
+    for name in chain_reads(problem, decision):
         storage = problem.storage(name)
         if storage.lives_to_end or storage.producer is None:
             continue

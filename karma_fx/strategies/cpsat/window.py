@@ -26,28 +26,14 @@ from karma_fx.costs import Costs
 from karma_fx.errors import InvalidPlanError
 from karma_fx.plan import Decision, Offload, Plan, Recompute
 from karma_fx.problem import Problem
-from karma_fx.simulate import Timeline
-from karma_fx.strategies.base import copies_landed, figures_of, read_by_chains, reconcile, timeline_of
+from karma_fx.strategies.base import (copies_landed, figures_of, per_op_memory, read_by_chains, reconcile,
+                                     timeline_of)
 from karma_fx.strategies.cpsat.descent import descend
 from karma_fx.strategies.cpsat.exact import Model, choices_from_plan
 from karma_fx.strategies.cpsat.choice import Choice
 from karma_fx.strategies.cpsat.model import Candidate, solver_units
 from karma_fx.strategies.cpsat.segments import Segment, attach_plan_choices, segments_of
 from karma_fx.strategies.cpsat.options import SolverOptions
-
-
-def per_op_memory(problem: Problem, timeline: Timeline) -> list[int]:
-    """Device bytes at every op of the step, a recompute chain's steps counted at the op it serves."""
-    out = [0] * len(problem.ops)
-    pending = 0
-    items = (iv for iv in timeline.compute if iv.kind in ("op", "recompute"))  # not stalls, not copy issues
-    for interval, (_, live) in zip(items, timeline.memory):
-        if interval.kind == "recompute":
-            pending = max(pending, live)
-        else:
-            i = problem.op_index(interval.label)
-            out[i], pending = max(live, pending), 0
-    return out
 
 
 def _moved(d: Decision) -> set[str]:
