@@ -132,10 +132,12 @@ def saved_where_computable(fw: fx.GraphModule) -> fx.GraphModule:
     ReLU and the pooling in one loop), so the input is never held to the forward's end. Read in graph order, a
     six-block MLP whose ReLUs a mean reads was predicted at 4.00 MB where its forward peaks at 2.02 MB.
 
-    A node that only such nodes read moves with them, and so do the views they read: a batch norm's ``x - mean``
-    that min-cut saves reads the mean through three ``unsqueeze`` views it leaves at the forward's end too, and
-    Inductor computes it in the kernel of that batch norm's statistics (tiny ResNet-1001: its residual sum's two
-    convolutions were held to the forward's end, 0.5 MB, 13% of the step's peak)."""
+    "Saved" here means read by the output only, so the step's outputs and its buffers' updates (a batch norm's
+    running statistics) move too. A node that only such nodes read moves with them, and so do the views they
+    read: a batch norm's ``x - mean`` that min-cut saves reads the mean through three ``unsqueeze`` views it
+    leaves at the forward's end too, and Inductor computes it in the kernel of that batch norm's statistics (tiny
+    ResNet-1001: its residual sum's two convolutions were held to the forward's end, 0.5 MB, 13% of the step's
+    peak)."""
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
     output = next(n for n in fw.graph.nodes if n.op == "output")
     known = set(order)
