@@ -261,7 +261,7 @@ class ProjectedSum(nn.Module):
         return self.head(F.relu(self.c(h)).mean((2, 3)))
 
 
-def test_the_step_as_written_computes_a_saved_difference_where_its_mean_is():
+def test_the_step_as_written_computes_a_saved_difference_where_its_mean_is(monkeypatch):
     """Min-cut saves the batch norm's ``sum - mean`` instead of the sum (which Inductor never stores) and leaves
     it at the forward's end, reading the mean through three ``unsqueeze`` views left there too. Inductor computes
     it in the kernel of the batch norm's statistics, so the model of that step reads it there, views and all:
@@ -269,7 +269,7 @@ def test_the_step_as_written_computes_a_saved_difference_where_its_mean_is():
     written predicted 9.9% above its allocator peak, 1.9% after)."""
     torch.manual_seed(0)
     step = capture(ProjectedSum(), (torch.randn(4, 3, 16, 16),), inductor=True)
-    fw, _ = min_cut_partition(step.joint, step.joint_inputs, as_written=True, num_fwd_outputs=step.num_fwd_outputs)
+    fw, bw = min_cut_partition(step.joint, step.joint_inputs, as_written=True, num_fwd_outputs=step.num_fwd_outputs)
     output = next(n for n in fw.graph.nodes if n.op == "output")
     saved = [n.name for n in fw.graph.nodes if n.target is torch.ops.aten.sub.Tensor and set(n.users) == {output}
              and any(a.target is torch.ops.aten.unsqueeze.default for a in n.all_input_nodes)]
@@ -282,3 +282,16 @@ def test_the_step_as_written_computes_a_saved_difference_where_its_mean_is():
     statistics = next(n.name for n in moved.graph.nodes if n.target is torch.ops.aten.var_mean.correction)
     for name in saved:
         assert order[statistics] < order[name] < order[convolutions[-1]], name
+    # and the model of that step no longer holds the two summed convolutions to the forward's end
+    from karma_fx import fusion
+    from karma_fx.passes import narrowing
+
+    def at_forward_end() -> int:
+        profile = fusion.partition_peaks(fw, bw, step.num_fwd_outputs, as_compiled=True).profile
+        return [held for _, forward, held in profile if forward][-1]
+
+    read_so = at_forward_end()
+    monkeypatch.setattr(narrowing, "saved_where_computable", lambda graph: graph)  # the forward in graph order
+    summed = sum(n.meta["val"].untyped_storage().nbytes() for n in fw.graph.nodes
+                 if n.target is torch.ops.aten.convolution.default and n.name in {"convolution", "convolution_1"})
+    assert summed > 0 and at_forward_end() - read_so >= summed  # (and the mean the views read: 64 B)
