@@ -91,7 +91,7 @@ import torch.fx as fx
 
 from karma_fx.passes.fusible import (SCATTER_OPS, SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM, fusible_ops,
                                      inlined_ops, inlined_past_views, is_reduction, layout_optimized, stitched,
-                                     with_channels_last_copies)
+                                     with_channels_last_copies, channels_last_nodes)
 from karma_fx.problem import Problem
 
 if TYPE_CHECKING:
@@ -736,7 +736,7 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     gradient_copy = 0  # autograd's copy of a gradient the backward returns channels-last, after its last op
     channels_last = layout_optimization and layout_optimized(fw)
     if channels_last:
-        joint, gradient_copy = with_channels_last_copies(joint, num_fwd_outputs)
+        joint, gradient_copy = with_channels_last_copies(joint, num_fwd_outputs, channels_last_nodes(fw))
     step = CapturedStep(joint=joint, primal_kinds=(), primal_names=(), num_fwd_outputs=num_fwd_outputs,
                         output_names=())
     problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph),

@@ -19,7 +19,7 @@ from karma_fx.passes.liveness import storage_key
 
 __all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "computes_in_loops",
            "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views", "is_lazily_stored", "is_reduction", "is_view",
-           "layout_optimized", "stitched", "with_channels_last_copies"]
+           "layout_optimized", "stitched", "with_channels_last_copies", "channels_last_nodes"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -397,7 +397,24 @@ def layout_optimized(fw: fx.GraphModule) -> bool:
         return False
 
 
-def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphModule, int]:
+def channels_last_nodes(fw: fx.GraphModule) -> frozenset[str]:
+    """The nodes of the forward graph ``fw`` whose results Inductor's layout optimization stores channels-last,
+    by its own rule (``GraphLowering.find_nodes_prefer_channels_last``): a convolution, what one reads, and what
+    reads those, up to the last convolution. A result made after it from that convolution alone (a ReLU's mask
+    before a global mean) keeps the traced, channels-first layout; one that also reads an earlier convolution's
+    (a residual sum with a projection shortcut) is channels-last. Empty where Inductor cannot answer."""
+    try:
+        from types import SimpleNamespace
+
+        from torch._inductor.graph import GraphLowering
+
+        return frozenset(n.name for n in GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=fw)))
+    except Exception:  # noqa: BLE001 - an Inductor without the rule: every saved value counted channels-first
+        return frozenset()
+
+
+def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int,
+                              channels_last: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, int]:
     """``joint`` (a stitched step, edited in place) as Inductor's layout optimization runs it: every input a
     convolution reads (a weight, the batch) that is not already channels-last is copied to channels-last at the
     forward's start, in one kernel, and the convolutions of both phases read the copy, which the forward saves
@@ -408,7 +425,11 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> tu
     In the backward, a convolution's incoming gradient made from the head's (a global mean's backward, the
     tangent) is written channels-first and copied to channels-last by the same kernel: both are held, with the
     stored tensors that kernel reads (a plain two-convolution CNN: 27% over the model without the copy, 0.01%
-    under with it); one that comes from another convolution's backward is channels-last already.
+    under with it); one that comes from another convolution's backward is channels-last already. So is one
+    whose kernel reads a saved value stored channels-last (``channels_last``, forward node names, from
+    ``channels_last_nodes``): Inductor orders a kernel's loops by what it reads, and a batch norm's backward at
+    the head of a pre-activation ResNet reads the residual sum, channels-last (tiny WRN-28-10 and ResNet-1001:
+    32 and 64 KiB the model held twice; the plain CNN's kernel reads only a ReLU mask stored channels-first).
 
     Also returned: the largest gradient of such a weight. The backward returns those gradients channels-last,
     and autograd stores a parameter's gradient in the parameter's own layout, so it copies each one after the
@@ -446,7 +467,8 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> tu
             node.update_arg(i, copied[source])
     for node in [n for n in graph.nodes if n.target is torch.ops.aten.convolution_backward.default]:
         gradient = node.args[0]
-        if not isinstance(gradient, fx.Node) or _from_channels_last_gradients(gradient):
+        if (not isinstance(gradient, fx.Node) or _from_channels_last_gradients(gradient)
+                or _reads_channels_last(gradient, channels_last)):
             continue
         val = gradient.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dim() != 4:
@@ -478,6 +500,32 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> tu
                   if position.get(source, len(gradients)) < len(gradients)
                   and gradients[position[source]] is not None]
     return joint, max(regathered, default=0)
+
+
+def _reads_channels_last(node: fx.Node, channels_last: frozenset[str]) -> bool:
+    """Whether the backward loops computing ``node`` read forward values of its shape (through the loop ops
+    before it, up to stored values: forward nodes and placeholders) and Inductor stores every one of them
+    channels-last. Where some are channels-first its loop order is a vote this does not model, so the copy is
+    counted."""
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    layouts: set[bool] = set()
+    shape = node.meta["val"].shape
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        # a forward node of the stitched graph (``stitched``), not a recomputation's copy of one in the backward,
+        # which carries the forward's partitioner tag too
+        if n.meta.get("karma", {}).get("stitched") or n.op == "placeholder":
+            if isinstance(val, torch.Tensor) and val.shape == shape:  # per-channel statistics cast no vote
+                layouts.add(n.meta.get(STITCHED_FROM, n.name) in channels_last)
+            continue
+        if n.op == "call_function" and _computes_in_loops(n.target):
+            stack.extend(n.all_input_nodes)
+    return layouts == {True}
 
 
 def _from_channels_last_gradients(node: fx.Node) -> bool:

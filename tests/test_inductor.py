@@ -15,7 +15,6 @@ import torch
 import torch._dynamo
 
 import karma_fx
-from karma_fx.backend import regions
 from karma_fx.config import KarmaConfig
 from karma_fx.errors import KarmaError
 from karma_fx.plan import Offload, Recompute
@@ -1178,6 +1177,44 @@ def test_a_cnn_step_as_written_runs_channels_last_and_is_predicted_so(make):
             assert_measured_within_plan(model, compiled, (x,), {}, below=0.02)
         peaks.append(measure_step_peak(model, compiled, (x,), {}, lambda loss: loss).peak_bytes)
     assert peaks[0] == peaks[1]
+
+
+class PreActivationHead(torch.nn.Module):
+    """A residual block with a projection shortcut, then a batch norm, ReLU and global mean into a linear head
+    (a pre-activation ResNet's end): the head's batch norm reads the residual sum, which Inductor stores
+    channels-last, so the gradient it makes for the last convolution's backward is written channels-last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.a, self.b = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.p, self.bn, self.head = nn.Conv2d(3, 16, 1, bias=False), nn.BatchNorm2d(16), nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.p(x) + self.b(torch.relu(self.a(x)))
+        return self.head(torch.relu(self.bn(h)).mean((2, 3))).square().mean()
+
+
+@pytest.mark.parametrize("make, copies", [(MeanHead, 1), (PreActivationHead, 0)], ids=["mean-head", "pre-activation"])
+def test_the_heads_gradient_is_copied_channels_last_only_where_its_kernel_reads_channels_first(make, copies):
+    """The model of the step as written copies the head's gradient to channels-last for the last convolution's
+    backward where Inductor does: ``MeanHead``'s kernel reads only the saved ReLU mask, which Inductor stores
+    channels-first (made after the last convolution from it alone), a pre-activation head's reads the residual
+    sum, stored channels-last (read off both steps' generated code). Counted on both, tiny WRN-28-10 was
+    predicted 2.8% above its allocator peak, 1.5% without the second copy (``bench/inductor_peaks.py``)."""
+    from karma_fx.fusion import stitched
+    from karma_fx.inductor import min_cut_partition
+    from karma_fx.passes.capture import capture
+    from karma_fx.passes.fusible import channels_last_nodes, with_channels_last_copies
+
+    torch.manual_seed(0)
+    step = capture(make(), (torch.randn(2, 3, 16, 16),), inductor=True)
+    fw, bw = min_cut_partition(step.joint, step.joint_inputs, as_written=True, num_fwd_outputs=step.num_fwd_outputs)
+    joint, _ = with_channels_last_copies(stitched(fw, bw, step.num_fwd_outputs), step.num_fwd_outputs,
+                                         channels_last_nodes(fw))
+    copied = [n for n in joint.graph.nodes if n.target is torch.ops.aten.cat.default
+              and any(u.target is torch.ops.aten.convolution_backward.default for u in n.users)]
+    assert len(copied) == copies
 
 
 @pytest.mark.parametrize("held_to_the_end", [True, False], ids=["torch<2.13", "torch>=2.13"])
