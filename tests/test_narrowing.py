@@ -266,7 +266,7 @@ def test_the_step_as_written_computes_a_saved_difference_where_its_mean_is(monke
     it at the forward's end, reading the mean through three ``unsqueeze`` views left there too. Inductor computes
     it in the kernel of the batch norm's statistics, so the model of that step reads it there, views and all:
     read at the forward's end, both convolutions were held through the forward (tiny ResNet-1001's step as
-    written predicted 9.9% above its allocator peak, 1.9% after)."""
+    written measured 9.9% under its prediction, 1.9% after)."""
     torch.manual_seed(0)
     step = capture(ProjectedSum(), (torch.randn(4, 3, 16, 16),), inductor=True)
     fw, bw = min_cut_partition(step.joint, step.joint_inputs, as_written=True, num_fwd_outputs=step.num_fwd_outputs)
