@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from karma_fx.passes.capture import CapturedStep, copy_graph
+from karma_fx.passes.fusible import is_view
 from karma_fx.passes.liveness import _forward_nodes, storage_key
 
 NARROWED = "narrowed"
@@ -144,22 +145,15 @@ def saved_where_computable(fw: fx.GraphModule) -> fx.GraphModule:
     late: set[fx.Node] = set()
     for node in reversed(fw.graph.nodes):  # readers first: a node is late where all its readers are
         if (node.users and all(u is output or u in late for u in node.users)
-                and (_movable(node, known) or _is_view(node))):
+                and (_movable(node, known) or is_view(node))):
             late.add(node)
     earliest: dict[fx.Node, int] = {}
     moves = False
     for node in fw.graph.nodes:
         if node in late:
             earliest[node] = max((earliest.get(a, order[a]) for a in node.all_input_nodes), default=-1)
-            moves |= not _is_view(node) and earliest[node] + 1 < order[node]
+            moves |= not is_view(node) and earliest[node] + 1 < order[node]
     return _moved_after_inputs(fw, [n.name for n in fw.graph.nodes if n in late]) if moves else fw
-
-
-def _is_view(node: fx.Node) -> bool:
-    """An op whose result aliases what it reads (``unsqueeze``, ``view``): it allocates nothing."""
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and bool(node.all_input_nodes)
-            and bool(getattr(target, "is_view", False)))
 
 
 def _moved_after_inputs(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
