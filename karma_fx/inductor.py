@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import itertools
 import operator
@@ -389,6 +390,8 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Cal
                     else {} if as_written() else {"layout_optimization": False})
         settings.update(COPY_SAFE_CONFIG if _keeps_buffers_after_calls(graph) else {})
         order = V.set_choices_handler(PlanOrder(V.choices)) if planned else contextlib.nullcontext()
+        if kwargs.get("is_backward"):
+            _donate_no_shared_storage(inputs)
         with torch._inductor.config.patch(settings), order:
             code = compile_fx_inner(graph, inputs, **kwargs)
         return _announcing(code, on_backward) if kwargs.get("is_backward") else code
@@ -399,6 +402,30 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], partition: Cal
                           config_patches={"custom_partitioner_fn": partitioner})
     finally:
         partitioner.release()
+
+
+def _donate_no_shared_storage(inputs: Sequence[Any]) -> None:
+    """Take back the donation of every backward input that shares its storage with another input.
+
+    AOTAutograd donates to the backward each saved tensor that aliases no input or output of the step
+    (``torch._functorch.config.donated_buffer``), and Inductor may then write a kernel's result over it where
+    it dies. It does not check saved tensors against one another: min-cut never saves a tensor beside a view of
+    it, but a plan's partition may (a residual sum a recompute rebuilds from, and its 2-D view a weight's
+    gradient reads). Inductor then wrote a rebuilt sum over the residual, the view read the new values, and a
+    weight's gradient came out 70% off eager's with the loss unchanged. Such inputs are not donated: the
+    planned problem never counts a write over a saved tensor anyway (``karma_fx.fusion.written_in_place``)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    donated = getattr(meta, "bw_donated_idxs", None)
+    if not donated:
+        return
+    keys = [StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None for t in inputs]
+    shared = {k for k, n in collections.Counter(k for k in keys if k is not None).items() if n > 1}
+    kept = [i for i in donated if i < len(keys) and keys[i] is not None and keys[i] not in shared]
+    if len(kept) != len(donated):
+        meta.bw_donated_idxs = kept
 
 
 def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1527,3 +1527,49 @@ def test_logits_beside_the_loss_are_detached_under_inductor_and_the_step_equals_
     assert step._session.regions[0].detached == (1,)
     _, bw = step._session.regions[0].graphs
     assert not [n for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")][1:]
+
+
+class ResidualMLP(torch.nn.Module):
+    """``h = LayerNorm(GELU(Linear(h))) + h``, four times: a rebuilt block adds its input, which the forward also
+    saves as the 2-D view its weight's gradient reads."""
+
+    def __init__(self, d: int = 64, h: int = 128, layers: int = 4) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(d, h)
+        self.hidden = torch.nn.ModuleList(torch.nn.Linear(h, h) for _ in range(layers))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(h) for _ in range(layers))
+        self.last = torch.nn.Linear(h, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.first(x))
+        for linear, norm in zip(self.hidden, self.norms):
+            h = norm(torch.nn.functional.gelu(linear(h))) + h
+        return self.last(h)
+
+
+def test_saved_tensors_sharing_a_storage_are_not_written_over_in_the_backward():
+    """A checkpointed residual MLP: its forward saves a residual sum and the 2-D view of it a weight's gradient
+    reads, two backward inputs on one storage. AOTAutograd donated both to the backward (it checks a saved
+    tensor against the step's inputs and outputs, not against the other saved tensors), and Inductor wrote
+    the rebuilt next sum over the first: the weight's gradient, read through the view, came out 70% off
+    eager's with the loss unchanged. Now neither is donated, and every gradient equals eager's."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 64, 64), torch.randint(0, 10, (8, 64))
+    compiled = karma_fx.compile(model, budget=0.9, strategy="checkpoint", compiler="inductor", costs="roofline")
+    loss = torch.nn.functional.cross_entropy(compiled(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    expected = torch.nn.functional.cross_entropy(reference(x).flatten(0, 1), y.flatten())
+    expected.backward()
+    fw, _ = compiled.regions[0].last.graphs
+    saved = next(n for n in fw.graph.nodes if n.op == "output").args[0][1:]
+    storages = [StorageWeakRef(n.meta["val"].untyped_storage()) for n in saved
+                if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+    assert len(set(storages)) < len(storages), "the plan no longer saves two tensors of one storage"
+    assert torch.equal(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() <= 1e-5, name
+
