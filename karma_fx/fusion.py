@@ -110,11 +110,17 @@ def fused_storages(problem: Problem, fusible: Collection[str], inlined: Collecti
     """The storages of ``problem`` that Inductor would not allocate (the rule in the module docstring), given
     the names of the ops it computes in fusible loops and of those whose result it inlines into its readers."""
     fusible, inlined = frozenset(fusible), frozenset(inlined)
+    run_of = {k: r for r, run in enumerate(loop_runs(problem, fusible)) for k in run}
     fused = set()
     for s in problem.storages:
         if s.kind not in _FUSED_KINDS or s.is_output or s.producer is None or not s.users:
             continue
         maker = problem.ops[s.producer]
+        if maker.target in SEEDED_LOOP_OPS:  # a random draw: only in its readers' kernel (``kernel_local_draws``)
+            if maker.name in inlined and s.producer in run_of and all(run_of.get(u) == run_of[s.producer]
+                                                                      for u in s.users):
+                fused.add(s.name)
+            continue
         if maker.name not in inlined or maker.mutates:
             continue
         if all(problem.ops[u].name in fusible and problem.ops[u].phase == maker.phase for u in s.users):

@@ -136,7 +136,28 @@ def inlined_ops(graph: fx.Graph) -> frozenset[str]:
     inlined into it, holds a transcendental op on a CPU, more than ``realize_opcount_threshold`` ops, or
     reads more than ``realize_reads_threshold`` stored buffers; and any result that has accumulated more
     than the accumulated-reads threshold of buffer reads. Reductions and scatters always write a buffer."""
-    return frozenset(n.name for n in _inlining(graph, views_stored_alone=False)[0])
+    return frozenset(n.name for n in _inlining(graph, views_stored_alone=False)[0]) | kernel_local_draws(graph)
+
+
+def kernel_local_draws(graph: fx.Graph) -> frozenset[str]:
+    """Names of Inductor's random draws (``prims.inductor_random``) that it never allocates: lowering stores
+    each draw, but one whose every reader is a pointwise op over as many elements (a dropout's ``rand > p``)
+    is fused with them into one kernel, and the scheduler drops a buffer only that kernel uses. Counted as
+    stored, each attention dropout held an S×S float buffer that neither Inductor's own step nor a planned
+    one allocates (``karma_fx.fusion.fused_storages`` also asks that the readers run in the draw's stretch
+    of loops)."""
+    found = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or str(node.target) != "prims.inductor_random.default" or not node.users:
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if all(u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
+               and torch.Tag.pointwise in u.target.tags and isinstance(u.meta.get("val"), torch.Tensor)
+               and u.meta["val"].numel() == val.numel() for u in node.users):
+            found.add(node.name)
+    return frozenset(found)
 
 
 def _inlining(graph: fx.Graph, *, views_stored_alone: bool) -> tuple[set[fx.Node], dict[fx.Node, frozenset[fx.Node]]]:
