@@ -89,9 +89,9 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, Union
 import torch
 import torch.fx as fx
 
-from karma_fx.passes.fusible import (SCATTER_OPS, SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM, fusible_ops,
-                                     inlined_ops, inlined_past_views, is_reduction, layout_optimized, stitched,
-                                     with_channels_last_copies, channels_last_nodes)
+from karma_fx.passes.fusible import (SCATTER_OPS, SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM, addmm_adds,
+                                     fusible_ops, inlined_ops, inlined_past_views, is_reduction, layout_optimized,
+                                     stitched, with_channels_last_copies, channels_last_nodes)
 from karma_fx.problem import Problem
 
 if TYPE_CHECKING:
@@ -117,8 +117,7 @@ def fused_storages(problem: Problem, fusible: Collection[str], inlined: Collecti
             continue
         maker = problem.ops[s.producer]
         if maker.target in SEEDED_LOOP_OPS:  # a random draw: only in its readers' kernel (``kernel_local_draws``)
-            if maker.name in inlined and s.producer in run_of and all(run_of.get(u) == run_of[s.producer]
-                                                                      for u in s.users):
+            if maker.name in inlined and _read_in_its_run_only(problem, s, run_of, inlined):
                 fused.add(s.name)
             continue
         if maker.name not in inlined or maker.mutates:
@@ -128,29 +127,58 @@ def fused_storages(problem: Problem, fusible: Collection[str], inlined: Collecti
     return frozenset(fused)
 
 
-def delayed_matmuls(problem: Problem) -> Problem:
+def _read_in_its_run_only(problem: Problem, s: Any, run_of: Mapping[int, int], inlined: frozenset[str]) -> bool:
+    """Whether every kernel that computes the value of ``s`` (a random draw) is in its own run of loop ops: its
+    readers, and the readers of any of them Inductor inlines (which compute it again where they are read), up to
+    a value another phase reads (saved, so stored where it is made). An input dropout with no mask saved has
+    its ``rand > p`` inlined into kernels on both sides of a matmul: Inductor keeps the draw's buffer for them
+    (a review's probe, 4 MiB held at the step's peak)."""
+    run, phase = run_of.get(s.producer), problem.ops[s.producer].phase
+    if run is None or any(problem.ops[u].phase != phase for u in s.users):
+        return False
+    stack, seen = [s.name], {s.name}
+    while stack:
+        for u in problem.storage(stack.pop()).users:
+            op = problem.ops[u]
+            if op.phase != phase:
+                continue
+            if run_of.get(u) != run:
+                return False
+            if op.name in inlined:
+                stack.extend(o for o in op.outputs if o not in seen)
+                seen.update(op.outputs)
+    return True
+
+
+def delayed_matmuls(problem: Problem, adds: Collection[str] | None = None) -> Problem:
     """``problem`` with Inductor's post-grad ``addmm`` rewrite applied: ``add(mm(a, b), c)`` becomes
     ``addmm(c, a, b)`` where the add was, so the matmul runs as late as its addend is ready (a tied weight's
     gradient waits for the embedding's backward at the end of the step) and its inputs live until then. The
     add reads ``a`` and ``b`` too, and the product, written into the add's output, has 0 bytes."""
     delayed: dict[int, tuple[str, ...]] = {}
     gone: set[str] = set()
-    for k, a in _addmm_rewrites(problem):
+    for k, a in _addmm_rewrites(problem, adds):
         op, add = problem.ops[k], problem.ops[a]
         delayed[a] = delayed.get(a, ()) + tuple(i for i in op.inputs if i not in add.inputs)
         gone.add(op.outputs[0])
     return _with_more_inputs(problem, delayed, gone)
 
 
-def _addmm_rewrites(problem: Problem) -> list[tuple[int, int]]:
+def _addmm_rewrites(problem: Problem, adds: Collection[str] | None = None) -> list[tuple[int, int]]:
     """(matmul, add) op indices of each ``add(mm(a, b), c)`` Inductor's post-grad pass rewrites to ``addmm``.
     One matmul an add: its patterns try ``add(c, mm(a, b))`` first, so where both addends are matmuls (a weight
     used twice: its two gradients summed) the second becomes the ``addmm`` and the first runs where it is. Both
     delayed, a two-pass residual MLP's planned step held both passes' 4 MiB activations to the add, and its
-    plan was predicted at 22.77 MiB where it measured 13.27."""
+    plan was predicted at 22.77 MiB where it measured 13.27. ``adds``: the adds the graph shows the pattern
+    matches (``passes.fusible.addmm_adds``; ``None``: every add of a sole matmul reader of its size). The
+    problem merges a view with what it views, so only the graph tells a matmul read directly from one read as
+    a 3-D view, which Inductor does not rewrite: a residual MLP's gradient sums, counted as ``addmm`` outputs
+    that freed both matmuls, were inlined into every later kernel, and its step as written ran 5.4% above its
+    prediction, past ``budget=1.0``."""
     found = []
     for a, add in enumerate(problem.ops):
-        if add.target != "aten.add.Tensor" or len(add.outputs) != 1 or len(add.inputs) != 2:
+        if add.target != "aten.add.Tensor" or len(add.outputs) != 1 or len(add.inputs) != 2 or (
+                adds is not None and add.name not in adds):
             continue
         for name in reversed(add.inputs):
             k = problem.storage(name).producer
@@ -170,12 +198,13 @@ def _rewritten_into(problem: Problem, k: int, a: int) -> bool:
             and problem.storage(add.outputs[0]).size_bytes == out.size_bytes)
 
 
-def _without_addmm_adds(problem: Problem, fusible: Collection[str]) -> frozenset[str]:
+def _without_addmm_adds(problem: Problem, fusible: Collection[str], adds: Collection[str] | None = None
+                        ) -> frozenset[str]:
     """``fusible`` less the adds Inductor rewrites to ``addmm`` (``delayed_matmuls``): an extern kernel, which
     reads realised buffers, ends a run of loop ops and writes a buffer of its own. Counted as a loop op, a
     tied embedding's gradient sum joined the loop kernel before it (the embedding's scatter and its layer
     norm's backward), whose buffers were then held until it (a BERT step 4.7% over its peak)."""
-    return frozenset(fusible) - {problem.ops[a].name for _, a in _addmm_rewrites(problem)}
+    return frozenset(fusible) - {problem.ops[a].name for _, a in _addmm_rewrites(problem, adds)}
 
 
 def loop_runs(problem: Problem, fusible: Collection[str]) -> tuple[tuple[int, ...], ...]:
@@ -270,13 +299,13 @@ def _with_ops(problem: Problem, ops: list[Any], emptied: Collection[str] = ()) -
     return replace(problem, ops=ops, storages=storages, _index={}, _op_index={})
 
 
-def _allocated(problem: Problem, fused: frozenset[str]) -> Problem:
+def _allocated(problem: Problem, fused: frozenset[str], adds: Collection[str] | None = None) -> Problem:
     """``problem`` with each fused storage (``fused``, as ``fused_storages`` returns them) at 0 bytes and
     Inductor's ``addmm`` rewrite applied."""
     if fused:
         storages = tuple(replace(s, size_bytes=0) if s.name in fused else s for s in problem.storages)
         problem = replace(problem, storages=storages, _index={}, _op_index={})
-    return delayed_matmuls(problem)
+    return delayed_matmuls(problem, adds)
 
 
 def computed_again_past_views(problem: Problem, past_views: Mapping[str, Mapping[str, bool]]) -> Problem:
@@ -412,8 +441,8 @@ def written_in_place(problem: Problem, fusible: Collection[str], saved_too: bool
 
 
 def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collection[str], *,
-                     saved_in_place: bool = False, past_views: Mapping[str, Mapping[str, bool]] | None = None
-                     ) -> Problem:
+                     saved_in_place: bool = False, past_views: Mapping[str, Mapping[str, bool]] | None = None,
+                     addmm_adds: Collection[str] | None = None) -> Problem:
     """``problem`` as Inductor allocates it: each fused storage (``fused_storages``) has 0 bytes and its readers
     read what it is computed from (``inlined_reads``), the matmuls of ``addmm`` rewrites run late
     (``delayed_matmuls``), what a run of loop ops writes lives until the run ends
@@ -422,11 +451,11 @@ def inductor_problem(problem: Problem, fusible: Collection[str], inlined: Collec
     own settings), and what a run reads lives until it ends too (``inputs_held_through_runs``: everything in
     the step as written, ``saved_in_place``; the backward's temporaries otherwise). Names and ops are unchanged
     (some ops read more, some storages are 0 bytes), so plans made on it apply to the graph ``problem`` was
-    built from."""
-    fusible = _without_addmm_adds(problem, fusible)
+    built from. ``addmm_adds``: the adds Inductor rewrites with a matmul (``_addmm_rewrites``)."""
+    fusible = _without_addmm_adds(problem, fusible, addmm_adds)
     fused = fused_storages(problem, fusible, inlined) | {o for op in problem.ops if _is_dead(problem, op)
                                                            for o in op.outputs}
-    allocated = computed_again_past_views(_allocated(problem, fused), past_views or {})
+    allocated = computed_again_past_views(_allocated(problem, fused, addmm_adds), past_views or {})
     return replace(_as_kernels_hold_it(allocated, fused, fusible, saved_in_place), fused_kernels=True)
 
 
@@ -677,15 +706,16 @@ def generated_reduction_costs(problem: Problem, costs: "Costs", fusible: Collect
 
 def inductor_model(problem: Problem, costs: "Costs", fusible: Collection[str], inlined: Collection[str],
                    device: Union["DeviceSpec", str, None] = None, *, measured: bool = False,
-                   past_views: Mapping[str, Mapping[str, bool]] | None = None) -> tuple[Problem, "Costs"]:
+                   past_views: Mapping[str, Mapping[str, bool]] | None = None,
+                   addmm_adds: Collection[str] | None = None) -> tuple[Problem, "Costs"]:
     """The problem and costs of a step Inductor compiles: memory as it allocates it (``inductor_problem``) and
     time as it runs the kernels (``kernel_costs``), both from the same fusion decisions. ``costs`` are those
     of the unfused ops of ``problem`` (a roofline on ``device``, or ``measured``)."""
     if measured:
         costs = generated_reduction_costs(problem, costs, fusible)
-    fusible = _without_addmm_adds(problem, fusible)
+    fusible = _without_addmm_adds(problem, fusible, addmm_adds)
     fused = fused_storages(problem, fusible, inlined)
-    allocated = _allocated(problem, fused)
+    allocated = _allocated(problem, fused, addmm_adds)
     # costed before the runs' held outputs are added as reads: a kernel reads its inputs, not those
     timed = kernel_costs(allocated, costs, fused, device, measured=measured)
     held = _as_kernels_hold_it(computed_again_past_views(allocated, past_views or {}), fused, fusible)
@@ -746,7 +776,8 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     step = CapturedStep(joint=joint, primal_kinds=(), primal_names=(), num_fwd_outputs=num_fwd_outputs,
                         output_names=())
     problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph),
-                               saved_in_place=as_compiled, past_views=inlined_past_views(joint.graph))
+                               saved_in_place=as_compiled, past_views=inlined_past_views(joint.graph),
+                               addmm_adds=addmm_adds(joint.graph))
     timeline = simulate(problem, (), estimate_costs(problem), detail=False)
     memory = [b for _, b in timeline.memory]
     split = timeline.forward_items

@@ -117,11 +117,12 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
     costs = replace(costs, device=pricing.describe(where))
     if pricing.compiler == "inductor":
         from karma_fx.fusion import inductor_model
-        from karma_fx.passes.fusible import fusible_ops, inlined_ops, inlined_past_views
+        from karma_fx.passes.fusible import addmm_adds, fusible_ops, inlined_ops, inlined_past_views
 
         graph = step.joint.graph
         problem, costs = inductor_model(problem, costs, fusible_ops(graph), inlined_ops(graph), pricing.device,
-                                        measured=pricing.time == "measured", past_views=inlined_past_views(graph))
+                                        measured=pricing.time == "measured", past_views=inlined_past_views(graph),
+                                        addmm_adds=addmm_adds(graph))
         from karma_fx.rebuild_price import with_rebuild_shares
 
         costs = with_rebuild_shares(problem, costs)  # a rebuild the backward's loops join costs less

@@ -17,9 +17,9 @@ import torch.fx as fx
 
 from karma_fx.passes.liveness import storage_key
 
-__all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "computes_in_loops",
-           "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views", "is_lazily_stored", "is_reduction", "is_view",
-           "layout_optimized", "stitched", "with_channels_last_copies", "channels_last_nodes"]
+__all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "addmm_adds", "computes_in_loops",
+           "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views", "is_lazily_stored", "is_reduction",
+           "is_view", "layout_optimized", "stitched", "with_channels_last_copies", "channels_last_nodes"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -139,13 +139,38 @@ def inlined_ops(graph: fx.Graph) -> frozenset[str]:
     return frozenset(n.name for n in _inlining(graph, views_stored_alone=False)[0]) | kernel_local_draws(graph)
 
 
+def addmm_adds(graph: fx.Graph) -> frozenset[str]:
+    """Names of the adds Inductor's post-grad pattern rewrites with a matmul into one ``addmm``: an ``add`` one
+    of whose operands is a matmul read by nothing else, directly (not through a view), the other a tensor of
+    the same dtype that broadcasts to the product's two dimensions (``is_valid_addmm_fusion``; on a GPU it
+    also keeps such an add apart where only pointwise ops read it). A residual block's gradient is the sum of
+    two matmuls read as 3-D views: no rewrite, and Inductor inlines the sum into its readers."""
+    found = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or str(node.target) != "aten.add.Tensor" or len(node.args) != 2:
+            continue
+        for mm, other in ((node.args[1], node.args[0]), (node.args[0], node.args[1])):  # add(c, mm) first
+            if not (isinstance(mm, fx.Node) and str(mm.target) == "aten.mm.default" and len(mm.users) == 1
+                    and isinstance(other, fx.Node)):
+                continue
+            product, addend = mm.meta.get("val"), other.meta.get("val")
+            if not (isinstance(product, torch.Tensor) and isinstance(addend, torch.Tensor)):
+                continue
+            if addend.dim() <= 2 and addend.dtype == product.dtype and all(
+                    a in (1, b) for a, b in zip(reversed(addend.shape), reversed(product.shape))):
+                if product.device.type != "cuda" or not all(computes_in_loops(u) for u in node.users):
+                    found.add(node.name)
+                    break
+    return frozenset(found)
+
+
 def kernel_local_draws(graph: fx.Graph) -> frozenset[str]:
     """Names of Inductor's random draws (``prims.inductor_random``) that it never allocates: lowering stores
     each draw, but one whose every reader is a pointwise op over as many elements (a dropout's ``rand > p``)
     is fused with them into one kernel, and the scheduler drops a buffer only that kernel uses. Counted as
     stored, each attention dropout held an S×S float buffer that neither Inductor's own step nor a planned
-    one allocates (``karma_fx.fusion.fused_storages`` also asks that the readers run in the draw's stretch
-    of loops)."""
+    one allocates (``karma_fx.fusion.fused_storages`` also asks that whatever computes the draw again runs in
+    its stretch of loops)."""
     found = set()
     for node in graph.nodes:
         if node.op != "call_function" or str(node.target) != "prims.inductor_random.default" or not node.users:

@@ -1587,3 +1587,64 @@ def test_a_step_as_written_with_attention_dropout_is_predicted_to_its_peak():
             p.grad = None
     assert not compiled.plan.decisions
     assert_measured_within_plan(model, compiled, args, kwargs, below=0.01)
+
+
+def _bias_added(a, b, c, d):
+    return c + a @ b
+
+
+def _views_added(a, b, c, d):
+    return (a @ b).view(4, 16, 64) + (d @ b).view(4, 16, 64)
+
+
+def _product_read_twice(a, b, c, d):
+    y = a @ b
+    return c + y, y.sum()
+
+
+@pytest.mark.parametrize("fn, rewritten", [(_bias_added, True), (_views_added, False), (_product_read_twice, False)])
+def test_an_add_becomes_addmm_exactly_where_inductor_rewrites_it(fn, rewritten):
+    """``addmm_adds`` against the code Inductor generates: a matmul added to a bias becomes one ``addmm``; two
+    matmuls read as 3-D views and summed (a residual block's gradient) stay matmuls whose sum Inductor inlines
+    into its readers, as does a matmul something else reads too. The model took every add of a matmul of its
+    size for an ``addmm``: a residual MLP's backward held one buffer per block where it holds every block's
+    matmul output, and its planned steps ran up to 30% above their predictions."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from karma_fx.passes.fusible import addmm_adds
+
+    args = (torch.randn(64, 64), torch.randn(64, 64), torch.randn(64), torch.randn(64, 64))
+    named = addmm_adds(make_fx(fn)(*args).graph)
+    torch._dynamo.reset()
+    _, (code, *_) = run_and_get_code(torch.compile(fn, backend="inductor"), *args)
+    assert ("extern_kernels.addmm" in code) == rewritten, code
+    assert bool(named) == rewritten, named
+
+
+class InputDropout(torch.nn.Module):
+    """A dropout on an input that needs no gradient (no mask saved), read on both sides of a matmul."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.drop, self.fc = torch.nn.Dropout(0.1), torch.nn.Linear(d, d // 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(x)
+        y = self.fc(torch.relu(h))
+        return (y + h[:, : y.shape[1]]).sum(-1)
+
+
+def test_a_random_draw_computed_again_across_a_matmul_is_a_buffer():
+    """With no mask saved, Inductor inlines the dropout's comparison into kernels before and after the matmul,
+    and both draw from one stored buffer of random numbers (4 MiB here): a draw is kernel-local only where
+    everything that computes it again runs in its own stretch of loops. A review's probe, 32% above its
+    prediction where the comparison's readers were not followed."""
+    torch.manual_seed(0)
+    model, x = InputDropout(), torch.randn(4096, 256)
+    compiled = karma_fx.compile(model, budget=1.0, strategy="greedy", compiler="inductor")
+    for _ in range(2):
+        output_to_loss(compiled(x)).backward()
+        for p in model.parameters():
+            p.grad = None
+    assert_measured_within_plan(model, compiled, (x,), {}, below=0.01)
