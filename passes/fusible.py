@@ -158,7 +158,9 @@ def addmm_adds(graph: fx.Graph) -> frozenset[str]:
                 continue
             if addend.dim() <= 2 and addend.dtype == product.dtype and all(
                     a in (1, b) for a, b in zip(reversed(addend.shape), reversed(product.shape))):
-                if product.device.type != "cuda" or not all(computes_in_loops(u) for u in node.users):
+                if product.device.type != "cuda" or not all(
+                        isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags
+                        for u in node.users):
                     found.add(node.name)
                     break
     return frozenset(found)
