@@ -110,7 +110,7 @@ def fused_storages(problem: Problem, fusible: Collection[str], inlined: Collecti
     """The storages of ``problem`` that Inductor would not allocate (the rule in the module docstring), given
     the names of the ops it computes in fusible loops and of those whose result it inlines into its readers."""
     fusible, inlined = frozenset(fusible), frozenset(inlined)
-    run_of = {k: r for r, run in enumerate(loop_runs(problem, fusible)) for k in run}
+    run_of = _run_of(problem, fusible)
     fused = set()
     for s in problem.storages:
         if s.kind not in _FUSED_KINDS or s.is_output or s.producer is None or not s.users:
@@ -231,6 +231,11 @@ def loop_runs(problem: Problem, fusible: Collection[str]) -> tuple[tuple[int, ..
     if len(current) > 1:
         runs.append(tuple(current))
     return tuple(runs)
+
+
+def _run_of(problem: Problem, fusible: Collection[str]) -> dict[int, int]:
+    """Op index -> the index of its run of loop ops (``loop_runs``), for the ops in one."""
+    return {k: r for r, run in enumerate(loop_runs(problem, fusible)) for k in run}
 
 
 def loop_ops(problem: Problem, fusible: Collection[str]) -> frozenset[str]:
@@ -394,7 +399,7 @@ def written_in_place(problem: Problem, fusible: Collection[str], saved_too: bool
     """
     fusible = frozenset(fusible)
     nf = problem.num_fwd_ops
-    run_of = {k: r for r, run in enumerate(loop_runs(problem, fusible)) for k in run}
+    run_of = _run_of(problem, fusible)
     holder: dict[str, str] = {}
     readers = {s.name: list(s.users) for s in problem.storages}
     sizes = {s.name: s.size_bytes for s in problem.storages}

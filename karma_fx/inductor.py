@@ -414,14 +414,14 @@ def _donate_no_shared_storage(inputs: Sequence[Any]) -> None:
     gradient reads). Inductor then wrote a rebuilt sum over the residual, the view read the new values, and a
     weight's gradient came out 70% off eager's with the loss unchanged. Such inputs are not donated: the
     planned problem never counts a write over a saved tensor anyway (``karma_fx.fusion.written_in_place``)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+    from karma_fx.passes.liveness import storage_key
 
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None) if context is not None else None
     donated = getattr(meta, "bw_donated_idxs", None)
     if not donated:
         return
-    keys = [StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None for t in inputs]
+    keys = [storage_key(t) if isinstance(t, torch.Tensor) else None for t in inputs]
     shared = {k for k, n in collections.Counter(k for k in keys if k is not None).items() if n > 1}
     kept = [i for i in donated if i < len(keys) and keys[i] is not None and keys[i] not in shared]
     if len(kept) != len(donated):

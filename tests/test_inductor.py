@@ -1568,7 +1568,7 @@ def test_saved_tensors_sharing_a_storage_are_not_written_over_in_the_backward():
     tensor against the step's inputs and outputs, not against the other saved tensors), and Inductor wrote
     the rebuilt next sum over the first: the weight's gradient, read through the view, came out 70% off
     eager's with the loss unchanged. Now neither is donated, and every gradient equals eager's."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+    from karma_fx.passes.liveness import storage_key
 
     torch.manual_seed(0)
     model = ResidualMLP()
@@ -1582,7 +1582,7 @@ def test_saved_tensors_sharing_a_storage_are_not_written_over_in_the_backward():
     expected.backward()
     fw, _ = compiled.regions[0].last.graphs
     saved = next(n for n in fw.graph.nodes if n.op == "output").args[0][1:]
-    storages = [StorageWeakRef(n.meta["val"].untyped_storage()) for n in saved
+    storages = [storage_key(n.meta["val"]) for n in saved
                 if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
     assert len(set(storages)) < len(storages), "the plan no longer saves two tensors of one storage"
     assert torch.equal(loss, expected)
