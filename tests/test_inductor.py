@@ -1585,7 +1585,8 @@ def test_saved_tensors_sharing_a_storage_are_not_written_over_in_the_backward():
     storages = [storage_key(n.meta["val"]) for n in saved
                 if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
     assert len(set(storages)) < len(storages), "the plan no longer saves two tensors of one storage"
-    assert torch.equal(loss, expected)
+    # Inductor's fused reductions need not round as eager's do (the loss differed in its last bit in one CI run)
+    assert torch.allclose(loss, expected, rtol=1e-6, atol=0)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() <= 1e-5, name
 
