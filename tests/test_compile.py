@@ -60,12 +60,13 @@ def assert_same_training(model, compiled, args, kwargs, steps=3, exact_buffers=T
 
 @pytest.mark.parametrize("name, strategy", CASES)
 def test_gradients_equal_eager(name, strategy):
+    """One run per case where it moves something: halfway between the floor and the unplanned peak, else the
+    floor, else (neither fits this strategy) the unplanned peak, where the heuristics move nothing. ``offload``
+    ignores the budget: its one plan, at the unplanned peak, where it fits. (Every budget in turn took 224 s of
+    the suite; the runs at the unplanned peak moved nothing but offload's, the same plan at every budget.)"""
     ran = 0
-    slow = strategy in ("torch-budget", "cpsat")  # planners taking seconds per plan: the tightest that fits
     high, mid, low = budgets(name)
-    for budget in ([mid, low, high] if slow else [high, mid, low]):
-        if slow and ran:
-            break
+    for budget in ([high] if strategy == "offload" else [mid, low, high]):
         model, args, kwargs = build(name, "tiny")
         compiled = karma_fx.compile(model, budget=budget, strategy=strategy)
         try:  # an infeasible budget is refused as the step first runs, before anything in the model changed
@@ -75,6 +76,8 @@ def test_gradients_equal_eager(name, strategy):
             continue
         assert compiled.plan.strategy == strategy and compiled.plan.fits
         ran += 1
+        if compiled.plan.decisions or budget == low:  # a plan that moves something, or the lowest that fits
+            break
     assert ran, f"{strategy} fitted no budget on {name}"
 
 
