@@ -1667,22 +1667,6 @@ def test_a_random_draw_computed_again_across_a_matmul_is_a_buffer():
     assert_measured_within_plan(model, compiled, (x,), {}, below=0.01)
 
 
-class TwoPassMLP(torch.nn.Module):
-    """Residual blocks (LayerNorm, Linear d→4d, GELU, Linear 4d→d), each run twice; returns a scalar loss."""
-
-    def __init__(self, d: int = 64, blocks: int = 2) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
-                                torch.nn.Linear(4 * d, d)) for _ in range(blocks))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-            x = x + block(x)
-        return x.square().mean()
-
-
 def test_pytorchs_activation_memory_budget_knob_leaves_the_step_karma_counts(monkeypatch):
     """``torch._functorch.config.activation_memory_budget`` set in the process made karma's step as written
     min-cut at that fraction, which karma's model does not count: at 0.3 a two-pass MLP ran at 37.07 MiB where the
@@ -1695,12 +1679,12 @@ def test_pytorchs_activation_memory_budget_knob_leaves_the_step_karma_counts(mon
 
     monkeypatch.setattr(karma_fx.inductor, "_knob_said", False)
     torch.manual_seed(0)
-    model, x = TwoPassMLP(), torch.randn(4, 64, 64)
+    model, x = TwoPass(d=64), torch.randn(4, 64, 64)
     plain = karma_fx.prepare(model, (x,), compiler="inductor", costs="roofline").unplanned_peak_bytes
     with functorch_config.patch(activation_memory_budget=0.3):
         with pytest.warns(UserWarning, match="activation_memory_budget=0.3 is not applied"):
             knobbed = karma_fx.prepare(model, (x,), compiler="inductor", costs="roofline").unplanned_peak_bytes
-        assert knobbed == plain  # 2,167,304 B against 3,352,072 when the knob reached the partition
+        assert knobbed == plain  # 2,105,100 B against 3,287,052 when the knob reached the partition
         compiled = karma_fx.compile(model, budget=1.0, compiler="inductor", costs="roofline")
         for _ in range(2):
             compiled(x).backward()
