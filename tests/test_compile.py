@@ -60,13 +60,17 @@ def assert_same_training(model, compiled, args, kwargs, steps=3, exact_buffers=T
 
 @pytest.mark.parametrize("name, strategy", CASES)
 def test_gradients_equal_eager(name, strategy):
-    """One run per case where it moves something: halfway between the floor and the unplanned peak, else the
-    floor, else (neither fits this strategy) the unplanned peak, where the heuristics move nothing. ``offload``
-    ignores the budget: its one plan, at the unplanned peak, where it fits. (Every budget in turn took 224 s of
-    the suite; the runs at the unplanned peak moved nothing but offload's, the same plan at every budget.)"""
+    """Halfway between the floor and the unplanned peak and at the floor (the two plans differ: greedy on GPT-2
+    recomputes 2 tensors, then 8; karma's only plan mixing offloads and recomputes on Llama is the floor's); at the
+    unplanned peak only where neither fits, since a heuristic moves nothing there. ``offload`` makes one plan
+    whatever the budget: once, at the unplanned peak, where it fits; the slow planners once, at the first that
+    fits. (Every budget for every case took 224 s of the suite.)"""
     ran = 0
+    slow = strategy in ("torch-budget", "cpsat")  # planners taking seconds per plan
     high, mid, low = budgets(name)
     for budget in ([high] if strategy == "offload" else [mid, low, high]):
+        if ran and (slow or budget == high):
+            break
         model, args, kwargs = build(name, "tiny")
         compiled = karma_fx.compile(model, budget=budget, strategy=strategy)
         try:  # an infeasible budget is refused as the step first runs, before anything in the model changed
@@ -76,10 +80,7 @@ def test_gradients_equal_eager(name, strategy):
             continue
         assert compiled.plan.strategy == strategy and compiled.plan.fits
         ran += 1
-        if compiled.plan.decisions or budget == low:  # a plan that moves something, or the lowest that fits
-            break
     assert ran, f"{strategy} fitted no budget on {name}"
-
 
 def test_plan_is_applied_to_the_graphs():
     model, args, kwargs = build("gpt2", "tiny")
