@@ -193,24 +193,51 @@ def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> 
 
 
 def _min_cut(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """PyTorch's min-cut partition of ``joint`` at its default ``activation_memory_budget`` (1.0), whatever the
-    process set it to. Karma plans the step's memory itself, and the step as written must be the one its model
-    counts: with the knob at 0.3, a two-pass MLP's step as written ran at 37.07 MiB where the model said 34.78, over
-    a budget of 36 MiB for three steps, until a measured margin made karma plan. The knob is said to be ignored,
-    once per process (``torch-budget``, which asks the partitioner at chosen fractions, patches it itself)."""
+    """PyTorch's min-cut partition of ``joint`` at its default activation memory budget (1.0), whatever the process
+    or the model asked for. Karma plans the step's memory itself, and the step as written must be the one its model
+    counts: with ``activation_memory_budget`` at 0.3, a two-pass MLP's step as written ran at 37.07 MiB where the
+    model said 34.78, over a budget of 36 MiB for three steps, until a measured margin made karma plan. The knob, and
+    the per-graph budgets a model can set (``region_activation_memory_budget``), are said to be ignored once per
+    process (``torch-budget``, which asks the partitioner at chosen fractions, patches the knob itself)."""
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     global _knob_said
-    if functorch_config.activation_memory_budget != 1.0 and not _knob_said:
+    asked = [functorch_config.activation_memory_budget] if functorch_config.activation_memory_budget != 1.0 else []
+    asked += _drop_budget_annotations(joint)
+    if asked and not _knob_said:
         _knob_said = True
         import warnings
 
-        warnings.warn(f"karma_fx: torch._functorch.config.activation_memory_budget="
-                      f"{functorch_config.activation_memory_budget} is not applied to the steps karma_fx compiles: "
-                      "karma plans their memory to its own budget (pass budget= instead)", stacklevel=2)
+        warnings.warn(f"karma_fx: PyTorch's activation memory budget ({asked[0]}: activation_memory_budget or "
+                      "region_activation_memory_budget) is not applied to the steps karma_fx compiles: karma plans "
+                      "their memory to its own budget (pass budget= instead)")
     with functorch_config.patch(activation_memory_budget=1.0):
         return min_cut_rematerialization_partition(joint, joint_inputs, **options)
+
+
+def _drop_budget_annotations(joint: fx.GraphModule) -> list[float]:
+    """Take off ``joint``'s nodes (nested graphs included) the per-graph budgets min-cut reads before the knob:
+    ``torch.autograd.graph.region_activation_memory_budget``'s annotation and the older ``meta["memory_budget"]``.
+    Returns the budgets found. Each node gets a meta of its own first: a copied graph may share them."""
+    from torch.fx import traceback as fx_traceback
+
+    key = getattr(fx_traceback, "MEMORY_BUDGET_ANNOTATION_KEY", None)
+    found: list[float] = []
+    for module in joint.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            custom = node.meta.get("custom")
+            annotated = key is not None and isinstance(custom, dict) and key in custom
+            if annotated or isinstance(node.meta.get("memory_budget"), float):
+                node.meta = dict(node.meta)
+                if annotated:
+                    found.append(custom[key])
+                    node.meta["custom"] = {k: v for k, v in custom.items() if k != key}
+                if isinstance(node.meta.get("memory_budget"), float):
+                    found.append(node.meta.pop("memory_budget"))
+    return found
 
 
 _knob_said = False

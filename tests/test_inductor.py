@@ -1671,7 +1671,8 @@ def test_pytorchs_activation_memory_budget_knob_leaves_the_step_karma_counts(mon
     """``torch._functorch.config.activation_memory_budget`` set in the process made karma's step as written
     min-cut at that fraction, which karma's model does not count: at 0.3 a two-pass MLP ran at 37.07 MiB where the
     model said 34.78, over a budget of 36 MiB for three steps. Karma's partitions now run at the knob's default
-    (the plan door and the compiled step count the same step with the knob set or not), and a warning says so."""
+    (the plan door and the compiled step count the same step with the knob set or not), a budget the model sets
+    for its own graph (``region_activation_memory_budget``, where torch has it) likewise, and a warning says so."""
     import karma_fx.inductor
     from torch._functorch import config as functorch_config
 
@@ -1682,7 +1683,7 @@ def test_pytorchs_activation_memory_budget_knob_leaves_the_step_karma_counts(mon
     model, x = TwoPass(d=64), torch.randn(4, 64, 64)
     plain = karma_fx.prepare(model, (x,), compiler="inductor", costs="roofline").unplanned_peak_bytes
     with functorch_config.patch(activation_memory_budget=0.3):
-        with pytest.warns(UserWarning, match="activation_memory_budget=0.3 is not applied"):
+        with pytest.warns(UserWarning, match=r"budget \(0.3: .* is not applied to the steps karma_fx compiles"):
             knobbed = karma_fx.prepare(model, (x,), compiler="inductor", costs="roofline").unplanned_peak_bytes
         assert knobbed == plain  # 2,105,100 B against 3,287,052 when the knob reached the partition
         compiled = karma_fx.compile(model, budget=1.0, compiler="inductor", costs="roofline")
@@ -1693,3 +1694,16 @@ def test_pytorchs_activation_memory_budget_knob_leaves_the_step_karma_counts(mon
             compiled(x).backward()
     assert compiled.unplanned_peak_bytes == plain
     assert measured.peak_bytes <= compiled.predicted_peak_bytes
+    if hasattr(torch.autograd.graph, "region_activation_memory_budget"):  # torch 2.13
+
+        class Annotated(TwoPass):
+            def forward(self, x):
+                with torch.autograd.graph.region_activation_memory_budget(0.3):
+                    return super().forward(x)
+
+        annotated = Annotated(d=64)
+        annotated.load_state_dict(model.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # said once per process, above
+            # 2,105,100 B where the annotation reached the partition
+            assert karma_fx.prepare(annotated, (x,), compiler="inductor", costs="roofline").unplanned_peak_bytes == plain
