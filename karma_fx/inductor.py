@@ -202,9 +202,11 @@ def _min_cut(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    from karma_fx.passes.torch_partition import drop_budget_annotations
+
     global _knob_said
     asked = [functorch_config.activation_memory_budget] if functorch_config.activation_memory_budget != 1.0 else []
-    asked += _drop_budget_annotations(joint)
+    asked += drop_budget_annotations(joint)
     if asked and not _knob_said:
         _knob_said = True
         import warnings
@@ -214,30 +216,6 @@ def _min_cut(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[
                       "their memory to its own budget (pass budget= instead)")
     with functorch_config.patch(activation_memory_budget=1.0):
         return min_cut_rematerialization_partition(joint, joint_inputs, **options)
-
-
-def _drop_budget_annotations(joint: fx.GraphModule) -> list[float]:
-    """Take off ``joint``'s nodes (nested graphs included) the per-graph budgets min-cut reads before the knob:
-    ``torch.autograd.graph.region_activation_memory_budget``'s annotation and the older ``meta["memory_budget"]``.
-    Returns the budgets found. Each node gets a meta of its own first: a copied graph may share them."""
-    from torch.fx import traceback as fx_traceback
-
-    key = getattr(fx_traceback, "MEMORY_BUDGET_ANNOTATION_KEY", None)
-    found: list[float] = []
-    for module in joint.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        for node in module.graph.nodes:
-            custom = node.meta.get("custom")
-            annotated = key is not None and isinstance(custom, dict) and key in custom
-            if annotated or isinstance(node.meta.get("memory_budget"), float):
-                node.meta = dict(node.meta)
-                if annotated:
-                    found.append(custom[key])
-                    node.meta["custom"] = {k: v for k, v in custom.items() if k != key}
-                if isinstance(node.meta.get("memory_budget"), float):
-                    found.append(node.meta.pop("memory_budget"))
-    return found
 
 
 _knob_said = False

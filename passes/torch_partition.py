@@ -19,6 +19,7 @@ def saved_storages(step: CapturedStep, problem: Problem, memory_budget: float) -
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     joint = copy_joint(step)
+    drop_budget_annotations(joint)
     with functorch_config.patch(activation_memory_budget=float(memory_budget)):
         fw, _ = min_cut_rematerialization_partition(joint, step.joint_inputs, num_fwd_outputs=step.num_fwd_outputs)
     output = next(n for n in fw.graph.nodes if n.op == "output")
@@ -34,3 +35,29 @@ def saved_storages(step: CapturedStep, problem: Problem, memory_budget: float) -
         if storage is not None:
             names.add(storage)
     return frozenset(names)
+
+
+def drop_budget_annotations(joint: fx.GraphModule) -> list[float]:
+    """Take off ``joint``'s nodes (nested graphs included) the per-graph budgets min-cut reads before the knob:
+    ``torch.autograd.graph.region_activation_memory_budget``'s annotation and the older ``meta["memory_budget"]``.
+    Returns the budgets found. Each node gets a meta of its own first: a copied graph may share them. Karma's own
+    partitions run without them (``karma_fx.inductor``); ``saved_storages`` would otherwise get the model's budget
+    in place of the fraction it asks for."""
+    from torch.fx import traceback as fx_traceback
+
+    key = getattr(fx_traceback, "MEMORY_BUDGET_ANNOTATION_KEY", None)
+    found: list[float] = []
+    for module in joint.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            custom = node.meta.get("custom")
+            annotated = key is not None and isinstance(custom, dict) and key in custom
+            if annotated or isinstance(node.meta.get("memory_budget"), float):
+                node.meta = dict(node.meta)
+                if annotated:
+                    found.append(custom[key])
+                    node.meta["custom"] = {k: v for k, v in custom.items() if k != key}
+                if isinstance(node.meta.get("memory_budget"), float):
+                    found.append(node.meta.pop("memory_budget"))
+    return found

@@ -82,6 +82,7 @@ def test_gradients_equal_eager(name, strategy):
         ran += 1
     assert ran, f"{strategy} fitted no budget on {name}"
 
+
 def test_plan_is_applied_to_the_graphs():
     model, args, kwargs = build("gpt2", "tiny")
     compiled = karma_fx.compile(model, budget=1 << 40, strategy="offload")  # offload ignores the budget
