@@ -372,6 +372,8 @@ def test_a_heuristic_plan_in_the_models_terms_trains_as_eager():
     smaller ones stay on the device (the chains make them again as temporaries): the step trains as eager."""
     model, args, kwargs = build("wrn28_10", "tiny")
     strategy = _GreedyAsTheModelSeesIt()
-    compiled = karma_fx.compile(model, budget=1 << 40, strategy=strategy)
+    # roofline times: greedy's plan is then the same under any load (on measured times a loaded CI machine once
+    # made greedy choose no recompute group at all, and the test had nothing to check)
+    compiled = karma_fx.compile(model, budget=1 << 40, strategy=strategy, costs="roofline")
     assert_same_training(model, compiled, args, kwargs)
     assert strategy.groups > 0 and strategy.left_resident
