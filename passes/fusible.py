@@ -93,8 +93,13 @@ def is_reduction(target: object) -> bool:
     return str(target) in _REDUCTIONS
 
 
+def is_pointwise(target: object) -> bool:
+    """Whether ``target`` is an aten op tagged pointwise (one output element from the same element of each input)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
 def _computes_in_loops(target: object) -> bool:
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+    if is_pointwise(target):
         return True
     return is_reduction(target) or str(target) in _LOOP_OPS or str(target) in SCATTER_OPS
 
@@ -158,9 +163,7 @@ def addmm_adds(graph: fx.Graph) -> frozenset[str]:
                 continue
             if addend.dim() <= 2 and addend.dtype == product.dtype and all(
                     a in (1, b) for a, b in zip(reversed(addend.shape), reversed(product.shape))):
-                if product.device.type != "cuda" or not all(
-                        isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags
-                        for u in node.users):
+                if product.device.type != "cuda" or not all(is_pointwise(u.target) for u in node.users):
                     found.add(node.name)
                     break
     return frozenset(found)
@@ -180,8 +183,7 @@ def kernel_local_draws(graph: fx.Graph) -> frozenset[str]:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        if all(u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
-               and torch.Tag.pointwise in u.target.tags and isinstance(u.meta.get("val"), torch.Tensor)
+        if all(u.op == "call_function" and is_pointwise(u.target) and isinstance(u.meta.get("val"), torch.Tensor)
                and u.meta["val"].numel() == val.numel() for u in node.users):
             found.add(node.name)
     return frozenset(found)

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from karma_fx.passes.capture import CapturedStep, copy_graph
-from karma_fx.passes.fusible import is_view
+from karma_fx.passes.fusible import is_pointwise, is_view
 from karma_fx.passes.liveness import _forward_nodes, storage_key
 
 NARROWED = "narrowed"
@@ -110,8 +110,8 @@ def _movable(node: fx.Node, known: set[fx.Node]) -> bool:
     """A pointwise op of one tensor result that reads only what the forward has, and draws no random numbers
     (moved into the forward, a random op such as ``rrelu`` would draw them in another order)."""
     target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.pointwise in target.tags and torch.Tag.nondeterministic_seeded not in target.tags
+    return (node.op == "call_function" and is_pointwise(target)
+            and torch.Tag.nondeterministic_seeded not in target.tags
             and _is_tensor(node)
             and bool(node.all_input_nodes) and all(a in known for a in node.all_input_nodes))
 
