@@ -198,15 +198,11 @@ def _min_cut(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[
     counts: with ``activation_memory_budget`` at 0.3, a two-pass MLP's step as written ran at 37.07 MiB where the
     model said 34.78, over a budget of 36 MiB for three steps, until a measured margin made karma plan. The knob, and
     the per-graph budgets a model can set (``region_activation_memory_budget``), are said to be ignored once per
-    process (``torch-budget``, which asks the partitioner at chosen fractions, patches the knob itself)."""
-    from torch._functorch import config as functorch_config
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    from karma_fx.passes.torch_partition import drop_budget_annotations
+    process (``passes.torch_partition.min_cut_at``, which ``torch-budget`` asks at the fractions it chooses)."""
+    from karma_fx.passes.torch_partition import min_cut_at
 
     global _knob_said
-    asked = [functorch_config.activation_memory_budget] if functorch_config.activation_memory_budget != 1.0 else []
-    asked += drop_budget_annotations(joint)
+    fw, bw, asked = min_cut_at(joint, joint_inputs, 1.0, **options)
     if asked and not _knob_said:
         _knob_said = True
         import warnings
@@ -214,8 +210,7 @@ def _min_cut(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[
         warnings.warn(f"karma_fx: PyTorch's activation memory budget ({asked[0]}: activation_memory_budget or "
                       "region_activation_memory_budget) is not applied to the steps karma_fx compiles: karma plans "
                       "their memory to its own budget (pass budget= instead)")
-    with functorch_config.patch(activation_memory_budget=1.0):
-        return min_cut_rematerialization_partition(joint, joint_inputs, **options)
+    return fw, bw
 
 
 _knob_said = False
