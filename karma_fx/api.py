@@ -23,7 +23,7 @@ from karma_fx.plan import Plan
 from karma_fx.problem import Problem
 from karma_fx.simulate import Timeline, decisions_as_run, simulate
 from karma_fx.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
-from karma_fx.strategies.leanest import LEANEST_SWAPS, leanest_peak, leanest_plan_parts
+from karma_fx.strategies.leanest import LEANEST_SWAPS, LeanestStreamed, leanest_peak, leanest_plan_parts
 
 WEIGHTS_SOLVER_S = 10.0
 """Seconds the exact solver gets, by default, for each plan of the activations around streamed weights."""
@@ -122,7 +122,8 @@ class Prepared:
             # greedy's plan).
             inner = self.strategy(strategy, time_limit_s=time_limit_s or WEIGHTS_SOLVER_S)
             return BestOf([WeightsOutOfCore(inner)] + [WeightsOutOfCore(make_strategy(h))
-                                                       for h in ("greedy", "offload", "karma")])
+                                                       for h in ("greedy", "offload", "karma")]
+                          + [LeanestStreamed()])
         if not isinstance(strategy, str):
             return strategy
         if strategy != "torch-budget" or self.step is None:

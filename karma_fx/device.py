@@ -278,21 +278,29 @@ def measure_copy_speed(device: Any) -> tuple[float, float, float]:
         spec = calibrate(dev)
         return spec.d2h_bytes_per_s / 1e6, spec.h2d_bytes_per_s / 1e6, spec.copy_latency_us
 
-    def median_us(fn: Any, repeats: int) -> float:
+    def fastest_us(fn: Any, repeats: int) -> float:
+        """The fastest of ``repeats`` runs: the link's own speed. A copy engine on a CPU is a thread, and one
+        measurement is kept for the whole process (``pricing.copy_speed``): taken while another process held
+        the cores, the median of nine 16 MiB copies read device-to-host 1.4 GB/s instead of 25, and every plan
+        of that process then held its swapped-out tensors and gradients as if their copies queued (a streamed
+        MLP's floor rose from 530 to 782 KiB). Being descheduled only ever adds time, so the fastest run is the
+        one that was not."""
         fn()
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e6)
-        return sorted(times)[len(times) // 2]
+        return min(times)
 
     # 16 MiB: glibc maps blocks of 32 MiB and more afresh on every allocation, even with freed memory kept
     # (``runtime.keep_freed_host_memory``), and a prefetch allocates its target: at 32 MiB the page faults
     # made host-to-device read 2.4 GB/s, at 16 MiB 11.4 GB/s, the speed the step's smaller tensors see.
-    big, small = torch.empty(4 << 20), torch.empty(1)
+    # written, not ``torch.empty``: pages never touched all map the kernel's one zero page, which reads from cache
+    # (the fastest of the copies then read as the 100 GB/s cap)
+    big, small = torch.ones(4 << 20), torch.ones(1)
     karma = torch.ops.karma
-    round_trip = median_us(lambda: karma.wait(karma.prefetch(karma.offload(small), dev)), 21) / 2
+    round_trip = fastest_us(lambda: karma.wait(karma.prefetch(karma.offload(small), dev)), 21) / 2
     if not cpu_copies_are_synchronous():
         round_trip_calls = []
         for _ in range(21):
@@ -308,14 +316,14 @@ def measure_copy_speed(device: Any) -> tuple[float, float, float]:
             again = time.perf_counter()
             karma.wait(back)
             round_trip_calls.append((issued - start + issued_back - begin + time.perf_counter() - again) * 1e6)
-        engine_only = round_trip - sorted(round_trip_calls)[len(round_trip_calls) // 2] / 2
+        engine_only = round_trip - min(round_trip_calls) / 2
     else:
         engine_only = round_trip
     # Each copy is waited for: with the copies on a worker thread (``KARMA_CPU_COPIES=threads``) the offload
     # call returns as soon as the copy is queued, and timing the call alone read as petabytes per second.
-    d2h = median_us(lambda: karma.wait(karma.offload(big)), 9)
+    d2h = fastest_us(lambda: karma.wait(karma.offload(big)), 15)
     host = karma.offload(big)
-    h2d = median_us(lambda: karma.wait(karma.prefetch(host, dev)), 9)
+    h2d = fastest_us(lambda: karma.wait(karma.prefetch(host, dev)), 15)
     nbytes = big.numel() * big.element_size()
     # Each big copy's time holds the same round trip as the small one: what is left is moving the bytes; never
     # faster than host memory moves (a noisy round trip as long as the copy itself once read as 16 PB/s, and
@@ -340,7 +348,6 @@ def measure_copy_issue_us(device: Any) -> float:
     them, read 0.15 ms, and a planned GPT step with 126 copies ran 30 ms over its prediction. On a GPU the host
     issues copies ahead of the kernels and, with copying synchronous on a CPU, the copies' measured latency
     already holds it: 0 for both."""
-    import statistics
     import time
 
     import torch
@@ -350,7 +357,7 @@ def measure_copy_issue_us(device: Any) -> float:
     dev = torch.device(device)
     if dev.type == "cuda" or cpu_copies_are_synchronous():
         return 0.0
-    tensor = torch.empty(1 << 20)
+    tensor = torch.ones(1 << 20)  # written: untouched pages all read the kernel's one zero page
     square = torch.ones(384, 384)  # two matmuls: 2.6 ms on one thread here, time enough for a 4 MiB copy to land
     offload, prefetch, wait = torch.ops.karma.offload, torch.ops.karma.prefetch, torch.ops.karma.wait
 
@@ -359,17 +366,19 @@ def measure_copy_issue_us(device: Any) -> float:
         torch.mm(square, square)
 
     def lost_us(issue: Any) -> float:
-        lost = []
+        # The fastest run of each, not the median of their differences: another process taking a core only adds
+        # time, to either run of a pair, and the median of 21 differences read 0 to 1.7 ms while one held them.
+        alone, beside = [], []
         for _ in range(21):
             start = time.perf_counter()
             compute()
-            alone = time.perf_counter() - start
+            alone.append(time.perf_counter() - start)
             start = time.perf_counter()
             out = issue()
             compute()
             wait(out)
-            lost.append((time.perf_counter() - start - alone) * 1e6)
-        return statistics.median(lost)
+            beside.append(time.perf_counter() - start)
+        return (min(beside) - min(alone)) * 1e6
 
     host = wait(offload(tensor))
     lost_us(lambda: prefetch(host, dev))  # warm up the pool, the workers and the matmul
