@@ -42,7 +42,9 @@ those), so a 4-byte tensor holds 512 bytes of the device."""
 @dataclass(frozen=True)
 class Pricing:
     """How one step is priced: ``time`` ``"measured"`` or ``"roofline"`` (on ``device``), ``memory``
-    ``"measured"`` (kernel scratch from the device the step runs on) or ``"tensors"`` (storages only)."""
+    ``"measured"`` (kernel scratch from the device the step runs on), ``"estimated"`` (under someone's
+    profiler: the scratch the same ops had at other shapes, ``borrowed_scratch``) or ``"tensors"`` (storages
+    only)."""
 
     time: str
     memory: str
@@ -53,8 +55,9 @@ class Pricing:
         """For plans and tables: what the costs are, e.g. ``"cpu: measured times and scratch"``; a preset's
         name alone where nothing was measured (a plan for a device one does not have)."""
         if self.time == "measured":
-            return f"{where}: measured times and scratch" if self.memory == "measured" else \
-                f"{where}: measured times, scratch not measured"
+            return (f"{where}: measured times and scratch" if self.memory == "measured" else
+                    f"{where}: measured times, scratch estimated from other shapes" if self.memory == "estimated"
+                    else f"{where}: measured times, scratch not measured")
         if self.memory == "measured":
             return f"{self.device.name} roofline times, scratch measured on {where}"
         return self.device.name
@@ -92,12 +95,11 @@ def price(step: Any, problem: Problem, pricing: Pricing, primals: list[torch.Ten
             raise KarmaError("measuring a step needs its real tensors")
         device = next(t.device for t in primals if isinstance(t, torch.Tensor))
         where = str(device)
-        measured, scratch_known, timed = _measure(step, primals, time=pricing.time == "measured", known=known)
+        measured, memory, timed = _measure(step, primals, time=pricing.time == "measured", known=known)
         if device.type == "cuda":
             problem = allocator_sizes(problem, CUDA_BLOCK_BYTES)
-        pricing = replace(pricing, memory="measured" if scratch_known else "tensors",
-                          time="measured" if timed else "roofline")
-    if pricing.memory == "measured":
+        pricing = replace(pricing, memory=memory, time="measured" if timed else "roofline")
+    if pricing.memory in ("measured", "estimated"):
         scratch = measured.scratch_bytes
         if pricing.compiler == "inductor":  # measured op by op under eager: a loop Inductor generates has none
             from karma_fx.passes.fusible import SEEDED_LOOP_OPS, fusible_ops
@@ -174,12 +176,14 @@ def allocator_sizes(problem: Problem, block_bytes: int) -> Problem:
 
 
 def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: MeasuredOps | None = None
-             ) -> tuple[Any, bool, bool]:
+             ) -> tuple[Any, str, bool]:
     """Run the step for real on ``primals`` (on real memory even inside the partitioner's fake mode): its
-    per-node scratch and, when ``time``, its times; and whether each could be measured. Neither can under
-    a torch.profiler session already running (sessions do not nest: a second one would empty it), nor can
-    a GPU's kernels be timed: the plan then counts tensors only, and a GPU's times fall back to the roofline;
-    the session measures again at the region's first run outside the profiler (``Session.run``).
+    per-node scratch and, when ``time``, its times; how the scratch is known (``Pricing.memory``) and whether
+    the times were measured. Neither can be under a torch.profiler session already running (sessions do not
+    nest: a second one would empty it), nor can a GPU's kernels be timed: the scratch is then what ``known``
+    says of the same ops at other shapes (``borrowed_scratch``, ``"estimated"``), or none (``"tensors"``), and
+    a GPU's times fall back to the roofline; the session measures again at the region's first run outside the
+    profiler (``Session.run``).
 
     ``known``: where every node of the step was measured before (a region traced again with an output
     detached, ``karma_fx.unused_grads``: the same ops, fewer of them), the step is not run: a measuring run
@@ -204,7 +208,7 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
         if all(v is not None for v in found.values()):
             return JointCosts(op_time_us={n: v[0] for n, v in found.items()} if time else {},
                               scratch_bytes={n: v[1] for n, v in found.items() if v[1]},
-                              split_costs={n: v[2] for n, v in found.items() if v[2]}), True, time
+                              split_costs={n: v[2] for n, v in found.items() if v[2]}), "measured", time
 
     scratch: dict[str, int] = {}
     split: dict[str, tuple[tuple[int, int, float], ...]] = {}
@@ -215,9 +219,11 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
             scratch_known = True
         except ProfilerBusy:
             scratch_known = False
+            scratch, split = borrowed_scratch(signatures, known)
             log.warning("karma_fx: a torch.profiler session is running while a step is planned; its kernels' "
-                        "scratch cannot be measured under it, so this plan counts tensors only until the step "
-                        "first runs outside the profiler, where it is measured and planned again")
+                        "scratch cannot be measured under it, so this plan counts %s until the step first runs "
+                        "outside the profiler, where it is measured and planned again",
+                        "the scratch its ops had at the shapes measured before" if scratch else "tensors only")
         timed = time
         if time:
             try:
@@ -234,7 +240,55 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
             # written is measured after its chunked-head twin; the larger of the two, a cold first run's, put a
             # tiny GPT-2's retrace above the budget its first step fitted under)
             known[sig] = (t, measured.scratch_bytes.get(name, 0), measured.split_costs.get(name, ()))
-    return measured, scratch_known, timed
+    return measured, "measured" if scratch_known else "estimated" if scratch else "tensors", timed
+
+
+def borrowed_scratch(signatures: dict[str, Any], known: MeasuredOps | None
+                     ) -> tuple[dict[str, int], dict[str, tuple[tuple[int, int, float], ...]]]:
+    """Per node, the scratch and split costs ``known`` holds for what it computes (``signatures``:
+    ``op_signature`` by node): exactly where the same op was measured at the same shapes, else those of the
+    same op measured on another batch (``passes.measure.batch_change``), in proportion to the batch (the
+    largest estimate where several batches were measured); a split's likewise, with its relative time as it
+    was, where its pieces are equal at both batches.
+
+    Why: a step that compiles while someone's torch.profiler runs (a loop profiling every step, the last
+    batch of an epoch smaller) cannot measure its kernels' scratch (``ProfilerBusy``), and planned with none a
+    small CNN's steps ran 9% over their budget, every step, until one ran outside the profiler. A convolution's
+    buffers grow with its batch: kept at the larger batch's size they put the same CNN's floor at 4.48 MiB, and
+    without its splits at 3.98, where the step measured at its smaller batch plans under 3.64. Uneven pieces
+    are another kernel's: a batch of 12 in 8 pieces (of 2 and of 1) measured 585 KiB of scratch in one
+    convolution's backward where 16 in 8 measured 294. The session still measures again at the first run
+    outside a profiler."""
+    scratch: dict[str, int] = {}
+    split: dict[str, tuple[tuple[int, int, float], ...]] = {}
+    if not known:
+        return scratch, split
+    from karma_fx.passes.measure import batch_change, signature_layout
+
+    seen: dict[Any, list[tuple[Any, tuple]]] = {}
+    for sig, value in known.items():
+        if isinstance(value, tuple) and not (sig and sig[0] == "channels_last"):
+            seen.setdefault(signature_layout(sig), []).append((sig, value))
+    for name, sig in signatures.items():
+        value = known.get(sig)
+        if isinstance(value, tuple):
+            found, pieces = value[1], value[2]
+        else:
+            found, pieces = 0, ()
+            for old_sig, old in seen.get(signature_layout(sig), ()):
+                change = batch_change(sig, old_sig)
+                if change is None:
+                    continue
+                new_batch, old_batch = change
+                if old[1] * new_batch // old_batch > found:
+                    found = old[1] * new_batch // old_batch
+                    pieces = tuple((k, b * new_batch // old_batch, t) for k, b, t in old[2]
+                                   if new_batch % k == 0 and old_batch % k == 0)
+        if found:
+            scratch[name] = found
+        if pieces:
+            split[name] = pieces
+    return scratch, split
 
 
 def channels_last_scratch(step: Any, primals: list[torch.Tensor], known: MeasuredOps | None = None

@@ -274,6 +274,42 @@ def op_signature(node: fx.Node) -> Any:
     return (str(node.target), describe(node.args), describe(node.kwargs))
 
 
+def signature_layout(signature: Any) -> Any:
+    """``op_signature`` with each tensor cut to its rank, dtype and device: the signatures ``batch_change``
+    may relate share one."""
+    def cut(value: Any) -> Any:
+        if isinstance(value, tuple) and len(value) == 5 and value[0] == "tensor":
+            return ("tensor", len(value[1]), value[3], value[4])
+        if isinstance(value, tuple):
+            return tuple(cut(v) for v in value)
+        return value
+    return cut(signature)
+
+
+def batch_change(new: Any, old: Any) -> tuple[int, int] | None:
+    """``(new batch, old batch)`` where two ``op_signature``s are the same op on another batch: every tensor the
+    same but for its leading size, and every leading size that differs changed from one same old size to one
+    same new size (a convolution's input and gradient do, its weight does not); None where they differ
+    otherwise (another argument, another inner size)."""
+    change: list[tuple[int, int]] = []
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, tuple) and len(a) == 5 and a[0] == "tensor":
+            if not (isinstance(b, tuple) and len(b) == 5 and b[0] == "tensor") or a[3:] != b[3:]:
+                return False
+            if a[1] == b[1]:
+                return True
+            if len(a[1]) != len(b[1]) or not a[1] or a[1][1:] != b[1][1:] or not a[1][0] or not b[1][0]:
+                return False
+            change.append((a[1][0], b[1][0]))
+            return change[0] == change[-1]
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    return change[0] if same(new, old) and change else None
+
+
 def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3,
                warm_up: bool = True) -> dict[str, float]:
     """Run ``step.joint`` for real ``repeats`` times and return each node's time in µs: on a CPU its median
