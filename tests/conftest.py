@@ -41,6 +41,15 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _threads():
+    """Each test starts with the process's compute threads: a bench's ``main`` run in a smoke test sets one
+    thread (as its timings need) and left every later test of that worker on one."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Dynamo caches compiled code per model class; each test starts from an empty cache."""
     import torch._dynamo

@@ -1325,8 +1325,9 @@ def test_a_backward_scattering_into_a_saved_fill_peaks_at_its_plan(budget):
     model = _ScatteredViews()
     x, y = torch.randn(512, 64), torch.randint(0, 8, (512,))
     # below it, greedy: after other tests in the process cpsat chose offloads, where an over-count of another
-    # kind (since mended) set the plan's peak; greedy recomputes one tensor
-    options = {} if budget == 1.0 else dict(strategy="greedy")
+    # kind (since mended) set the plan's peak; greedy recomputes one tensor. On roofline times: on measured ones
+    # a loaded CI worker's greedy chose otherwise, and that plan measured 11% under its prediction
+    options = {} if budget == 1.0 else dict(strategy="greedy", costs="roofline")
     compiled = trained_as_eager(model, x, y, budget=budget, **options)
     loss = lambda out: torch.nn.functional.cross_entropy(out, y)  # noqa: E731
     if budget == 1.0:
