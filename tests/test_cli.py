@@ -369,7 +369,7 @@ def test_cpsat_starts_no_new_work_past_its_time_limit(tiny_cnn):
     sleepy = _Sleepy(0.4)
     t0 = time.perf_counter()
     plan = CpSat([sleepy] * 10, time_limit_s=1.0)(problem, costs, budget)  # 4 s of heuristics without a limit
-    assert time.perf_counter() - t0 < 3 and sleepy.calls <= 4
+    assert time.perf_counter() - t0 < 5 and sleepy.calls <= 4
     assert plan.status == "FALLBACK:sleepy"
     assert plan.notes[-1] == "stopped at the 1 s time limit; the plan may be slower than with more time"
 

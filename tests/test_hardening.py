@@ -41,7 +41,7 @@ def test_an_optimal_plan_above_its_bound_says_what_the_solver_proved():
 
     p = prepared("wrn28_10")
     floor, peak = p.min_peak_bytes(), p.unplanned_peak_bytes
-    plan = p.plan(int(floor + 0.10 * (peak - floor)), "cpsat", time_limit_s=20).plan  # done in ~2 s
+    plan = p.plan(int(floor + 0.10 * (peak - floor)), "cpsat", time_limit_s=60).plan  # done in ~2-4 s
     assert plan.status == "OPTIMAL" and plan.step_time_us > plan.lower_bound_us * 1.05
     assert "within the solver's model only" in plan.shown_status()
     assert "x the proven lower bound" in plan.table(max_rows=0)
