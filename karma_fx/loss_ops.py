@@ -91,8 +91,8 @@ def linear_ce_backward(grad: Tensor, h: Tensor, weight: Tensor, bias: Optional[T
                 grad_w.add_(g.t() @ h[a:b].to(dtype))
         if bias is not None:
             grad_b.add_(g.sum(0, dtype=torch.float32))
-    if bias is None:
-        grad_b = grad_b[:0]
+    if bias is None:  # a new empty tensor: a view of the accumulator (``grad_b[:0]``) held its [V] bytes
+        grad_b = grad_b.new_empty(0)
     return grad_h, grad_w.to(weight.dtype), grad_b.to(weight.dtype)
 
 

@@ -332,3 +332,14 @@ def test_plan_chooses_the_head_as_compile_does():
     with pytest.raises(InfeasibleBudgetError) as info:
         prepared.plan(1024)
     assert info.value.min_budget_bytes == floor
+
+
+def test_the_chunked_backward_without_a_bias_holds_no_bias_accumulator():
+    """Without a bias the backward's third result is empty, and so is its storage: a view of the [V] accumulator
+    kept its bytes for as long as the result lived, which the plan counts as nothing (4 KiB above the plan on a
+    GPT of vocabulary 1024, every chunked step)."""
+    h, w = torch.randn(8, 16), torch.randn(32, 16)
+    target, grad = torch.randint(0, 32, (8,)), torch.ones(8)
+    _, lse = torch.ops.karma.linear_ce(h, w, None, target, -100, 4, torch.float32)
+    _, _, grad_b = torch.ops.karma.linear_ce_backward(grad, h, w, None, target, lse, -100, 4, torch.float32, True)
+    assert grad_b.numel() == 0 and grad_b.untyped_storage().nbytes() == 0
