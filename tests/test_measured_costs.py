@@ -214,6 +214,10 @@ def test_a_new_batch_under_someones_profiler_borrows_the_scratch_its_ops_had_at_
     assert scratch == {"exact": 1600, "smaller": 1200}
     assert split == {"exact": ((2, 800, 1.1), (8, 200, 1.3)), "smaller": ((2, 600, 1.1),)}  # 12 in 8: uneven
     assert borrowed_scratch({"smaller": conv(12)}, None) == ({}, {})
+    # the nearest batch at least as large, not the largest estimate: batch 1's scratch scaled up over-counts
+    known[conv(1)] = (1.0, 400, ())
+    known[conv(32)] = (20.0, 3000, ())
+    assert borrowed_scratch({"smaller": conv(12), "larger": conv(64)}, known)[0] == {"smaller": 1200, "larger": 6000}
 
 
 def test_a_batch_change_compiled_under_someones_profiler_holds_the_budget():
