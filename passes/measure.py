@@ -274,11 +274,16 @@ def op_signature(node: fx.Node) -> Any:
     return (str(node.target), describe(node.args), describe(node.kwargs))
 
 
+def _is_tensor(described: Any) -> bool:
+    """Whether a piece of an ``op_signature`` describes a tensor: ``("tensor", shape, strides, dtype, device)``."""
+    return isinstance(described, tuple) and len(described) == 5 and described[0] == "tensor"
+
+
 def signature_layout(signature: Any) -> Any:
     """``op_signature`` with each tensor cut to its rank, dtype and device: the signatures ``batch_change``
     may relate share one."""
     def cut(value: Any) -> Any:
-        if isinstance(value, tuple) and len(value) == 5 and value[0] == "tensor":
+        if _is_tensor(value):
             return ("tensor", len(value[1]), value[3], value[4])
         if isinstance(value, tuple):
             return tuple(cut(v) for v in value)
@@ -294,8 +299,8 @@ def batch_change(new: Any, old: Any) -> tuple[int, int] | None:
     change: list[tuple[int, int]] = []
 
     def same(a: Any, b: Any) -> bool:
-        if isinstance(a, tuple) and len(a) == 5 and a[0] == "tensor":
-            if not (isinstance(b, tuple) and len(b) == 5 and b[0] == "tensor") or a[3:] != b[3:]:
+        if _is_tensor(a):
+            if not _is_tensor(b) or a[3:] != b[3:]:
                 return False
             if a[1] == b[1]:
                 return True
