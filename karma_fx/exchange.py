@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from karma_fx.caller_state import mark_host_optimizer
 from karma_fx.errors import KarmaError
 from karma_fx.runtime import landed
 
@@ -106,6 +107,7 @@ class GradientPipeline:
                                  f"{type(exc).__name__}: {exc}") from exc
             if not isinstance(built, torch.optim.Optimizer):
                 raise KarmaError(f"optimizer must build a torch.optim.Optimizer, got {type(built).__name__}")
+            mark_host_optimizer(built)  # its state is host memory: no step's device budget counts it
             self.optimizer = built
         self._worker_threads: set[int] = set()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="karma-host-update",

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from karma_fx.budget import format_bytes
+from karma_fx.caller_state import OptimizerWatch
 from karma_fx.config import KarmaConfig
 from karma_fx import fsdp_held
 from karma_fx.errors import KarmaError
@@ -160,6 +161,10 @@ class Session:
         the runs that ran: a step given up (an evaluation with gradients on, ``step_over``) is no step a fraction
         is of, nor are the runs a step was expected to have and did not."""
         self._device_baseline = 0
+        self._optimizers = OptimizerWatch(self._params)
+        self._caller_state = 0
+        """The state of the caller's optimizers on the weights' device when the step began
+        (``karma_fx.caller_state``): on a GPU ``_device_baseline`` has it too; a CPU keeps no other count."""
         self._pending_view: Run | None = None
         self._previous_peak_cache: tuple[Any, int] | None = None
         self._weights_key: Any = None
@@ -252,6 +257,8 @@ class Session:
         if len(grad_storage) > 2 * len(held) + 64:  # forget gradients gone (set to None, replaced)
             self._grad_storage = {k: v for k, v in grad_storage.items() if v[0]() is not None}
         self._device_baseline = _allocated_on(tensors[0])
+        first = next(iter(tensors[0]), None)
+        self._caller_state = self._optimizers.bytes_on(first.device.type) if first is not None else 0
         # A step that holds other gradients than the last (the first micro-batch of an accumulation, or the
         # step after one that left its gradients) chooses its plans again rather than repeat the last step's:
         # those fitted a step holding more, or fit this one only with less room
@@ -402,7 +409,7 @@ class Session:
     def _held_at_start(self) -> int:
         """What the step held when it began (weights, gradients held, the batch): what a measured climb is
         above."""
-        seen = self._begin_weight_bytes + max(sum(self._batch.values()), self._previous_batch)
+        seen = self._begin_weight_bytes + max(sum(self._batch.values()), self._previous_batch) + self._caller_state
         return max(seen, self._device_baseline)
 
     # ---- runs -------------------------------------------------------------------------------------------
