@@ -501,7 +501,8 @@ def inputs_held_through_runs(problem: Problem, fusible: Collection[str], links: 
     every saved activation held to its run's end put the in-place-views probe's step as written 6.5% above its
     measured peak. A forward run is left as it is,
     since a recompute of its last op would then need everything the run read (no plan recomputes a backward
-    op). Without it, the scattering model's plan at 0.9 was predicted 10% under its measured peak, past its budget; with
+    op); the simulator holds a forward temporary to the end of the function that reads it, where the plan's copy
+    ops cut the run (``simulate._held_by_forward_functions``). Without it, the scattering model's plan at 0.9 was predicted 10% under its measured peak, past its budget; with
     it, a temporary read before a recomputation placed inside a function is counted to the function's end (a
     2-layer GPT with dropout, checkpointed at 0.9: a 128 KiB matmul output; its plans 5-8% above their measured
     peaks, where they were 4%).
