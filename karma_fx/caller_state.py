@@ -7,8 +7,8 @@ buffers, two micro-batches accumulated) broke a 6.48 MiB budget by 5.2% with eve
 
 PyTorch calls a process-wide hook after every optimizer step (``register_optimizer_step_post_hook``). A watch
 remembers, weakly, each optimizer seen stepping one of its model's parameters, and after each of its steps the
-bytes of its state on each device (the storages, each once): the state changes only in a step, or where the
-caller loads it (counted again at its next step). Karma's own host optimizer (``optimizer=``) is not counted: its
+bytes of its state on each device (the storages, each once), summed again where its state dict is another or
+has more entries (a step that makes state, ``load_state_dict``). Karma's own host optimizer (``optimizer=``) is not counted: its
 state is host memory (``mark_host_optimizer``).
 
 Example::
@@ -68,12 +68,14 @@ class OptimizerWatch:
     def __init__(self, params: Mapping[int, Any]) -> None:
         global _hook
         self._params = params
-        self._judged: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[bool, int]]" = \
+        self._judged: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[bool, tuple[int, int]]]" = \
             weakref.WeakKeyDictionary()
-        """Optimizer -> (whether it steps a parameter of ``params``, how many ``params`` had then): one judged
-        before the model's first run is judged again once it has more."""
-        self._bytes: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[str, int]]" = \
+        """Optimizer -> (whether it steps a parameter of ``params``; how many ``params`` and parameter groups there
+        were then): one judged before the model's first run, or before ``add_param_group``, is judged again."""
+        self._bytes: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, int], dict[str, int]]]" = \
             weakref.WeakKeyDictionary()
+        """Optimizer -> (its state dict's identity and length when summed, the sums): summed again only where those
+        changed (a step that makes state, ``load_state_dict``, which puts a new dict in), not each step."""
         _watches.add(self)
         if _hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -82,13 +84,22 @@ class OptimizerWatch:
 
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
         params = self._params
+        seen = (len(params), len(optimizer.param_groups))
         judged = self._judged.get(optimizer)
-        if judged is None or (not judged[0] and judged[1] != len(params)):
+        if judged is None or (not judged[0] and judged[1] != seen):  # (more parameters or groups since)
             judged = self._judged[optimizer] = (any(params.get(id(p)) is p for group in optimizer.param_groups
-                                                    for p in group["params"]), len(params))
-        if judged[0]:
-            self._bytes[optimizer] = state_bytes(optimizer)
+                                                    for p in group["params"]), seen)
+        if judged[0] and optimizer not in self._bytes:
+            self._bytes[optimizer] = ((0, -1), {})
 
     def bytes_on(self, device_type: str) -> int:
-        """What the watched optimizers' state held on ``device_type`` after their last step."""
-        return sum(b.get(device_type, 0) for b in self._bytes.values())
+        """What the watched optimizers' state holds on ``device_type`` now (state loaded since their last step
+        included), read on the calling thread."""
+        total = 0
+        for optimizer, (key, sums) in list(self._bytes.items()):
+            now = (id(optimizer.state), len(optimizer.state))
+            if now != key:
+                sums = state_bytes(optimizer)
+                self._bytes[optimizer] = (now, sums)
+            total += sums.get(device_type, 0)
+        return total

@@ -368,8 +368,8 @@ def measure_copy_issue_us(device: Any) -> float:
     def lost_us(issue: Any) -> float:
         # The fastest run of each, not the median of their differences: another process taking a core only adds
         # time, to either run of a pair, and the median of 21 differences read 0 to 1.7 ms while one held them.
-        # And never less than the calls themselves (the issue and the wait after the copy landed), which the
-        # computing thread runs whatever the load: two busy processes beside it made the difference read 0.
+        # And never less than the issue call itself, which the computing thread runs whatever the load: two busy
+        # processes beside it made the difference read 0. (Not the wait: a copy still running would be in it.)
         alone, beside, calls = [], [], []
         for _ in range(21):
             start = time.perf_counter()
@@ -379,11 +379,10 @@ def measure_copy_issue_us(device: Any) -> float:
             out = issue()
             issued = time.perf_counter()
             compute()
-            computed = time.perf_counter()
             wait(out)
             end = time.perf_counter()
             beside.append(end - start)
-            calls.append((issued - start) + (end - computed))
+            calls.append(issued - start)
         return max(min(beside) - min(alone), min(calls)) * 1e6
 
     host = wait(offload(tensor))

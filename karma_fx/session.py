@@ -258,7 +258,9 @@ class Session:
             self._grad_storage = {k: v for k, v in grad_storage.items() if v[0]() is not None}
         self._device_baseline = _allocated_on(tensors[0])
         first = next(iter(tensors[0]), None)
-        self._caller_state = self._optimizers.bytes_on(first.device.type) if first is not None else 0
+        # (on a GPU the allocator's count has it: ``_device_baseline``)
+        self._caller_state = self._optimizers.bytes_on(first.device.type) \
+            if first is not None and first.device.type != "cuda" else 0
         # A step that holds other gradients than the last (the first micro-batch of an accumulation, or the
         # step after one that left its gradients) chooses its plans again rather than repeat the last step's:
         # those fitted a step holding more, or fit this one only with less room

@@ -65,3 +65,28 @@ def test_a_step_holding_the_callers_optimizer_state_is_planned_with_it(optimizer
     # (at a budget of the whole unplanned step, the loss's scalars past the model may pass it by a few bytes)
     assert live.peak_bytes <= step.plan.budget_bytes + 16
     assert abs(live.peak_bytes - step.predicted_peak_bytes) <= 0.01 * live.peak_bytes, (live.peak_bytes, held)
+
+
+def test_state_loaded_or_a_group_added_later_counts_before_the_next_update():
+    """A resumed job loads its optimizer's state before any update (``load_state_dict``): the steps before its next
+    update hold it already. An optimizer that took the model's parameters in a group added later counts too."""
+    model, other = mlp(), mlp(64)
+    watch = OptimizerWatch({id(p): p for p in model.parameters()})
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    resumed = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    resumed.step()  # no gradients yet: no state, but seen stepping the model's parameters
+    assert watch.bytes_on("cpu") == 0
+    saved = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 128)).sum().backward()
+    saved.step()
+    resumed.load_state_dict(saved.state_dict())
+    del saved
+    gc.collect()
+    assert watch.bytes_on("cpu") == weights
+
+    grown = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other(torch.randn(4, 64)).sum().backward()
+    grown.step()  # judged: not this model's
+    grown.add_param_group({"params": list(model.parameters())})
+    grown.step()
+    assert watch.bytes_on("cpu") == 2 * weights + sum(p.numel() * p.element_size() for p in other.parameters())
