@@ -6,10 +6,10 @@ so an optimizer the user steps outside karma was invisible there: SGD with momen
 buffers, two micro-batches accumulated) broke a 6.48 MiB budget by 5.2% with every plan exact to the byte.
 
 PyTorch calls a process-wide hook after every optimizer step (``register_optimizer_step_post_hook``). A watch
-remembers, weakly, each optimizer seen stepping one of its model's parameters, and after each of its steps the
-bytes of its state on each device (the storages, each once), summed again where its state dict is another or
-has more entries (a step that makes state, ``load_state_dict``). Karma's own host optimizer (``optimizer=``) is not counted: its
-state is host memory (``mark_host_optimizer``).
+remembers, weakly, each optimizer seen stepping one of its model's parameters; asked at a step's start, it sums
+the bytes of their state on a device (the storages, each once), again only where a state dict is another or has
+more entries (an update that made state, ``load_state_dict``). Karma's own host optimizer (``optimizer=``) is not
+counted: its state is host memory (``mark_host_optimizer``).
 
 Example::
 
