@@ -502,8 +502,8 @@ def inputs_held_through_runs(problem: Problem, fusible: Collection[str], links: 
     measured peak. A forward run is left as it is,
     since a recompute of its last op would then need everything the run read (no plan recomputes a backward
     op); the simulator holds a forward temporary to the end of the function that reads it, where the plan's copy
-    ops cut the run (``simulate._held_by_forward_functions``). Without it, the scattering model's plan at 0.9 was predicted 10% under its measured peak, past its budget; with
-    it, a temporary read before a recomputation placed inside a function is counted to the function's end (a
+    ops cut the run (``simulate._forward_function_ends``). Without it, the scattering model's plan at 0.9 was
+    predicted 10% under its measured peak, past its budget; with it, a temporary read before a recomputation placed inside a function is counted to the function's end (a
     2-layer GPT with dropout, checkpointed at 0.9: a 128 KiB matmul output; its plans 5-8% above their measured
     peaks, where they were 4%).
     ``links``: the same ops with only what each reads for its values (before ``outputs_held_through_runs``, whose

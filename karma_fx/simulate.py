@@ -628,7 +628,7 @@ def _stays(problem: Problem, decisions: tuple[Decision, ...], seq: _Sequence, ev
                 if sname not in r.tensors:
                     i_end[inst] = max(i_last[inst], held_until.get(inst, -1))
     if forward_reads:
-        _held_by_forward_functions(forward_reads, events, seq, in_loops, nf, item_rc, i_last)
+        _held_by_functions(forward_reads, _forward_function_ends(events, seq, nf), item_op, in_loops, i_last)
     for inst, until in held_until.items():  # what a joined function reads or writes lives until it returns
         i_last[inst] = max(i_last[inst], until)
         if 0 <= i_end[inst] < until:
@@ -659,7 +659,8 @@ def _held_by_functions(chain_reads: list[tuple[int, int]], ends: set[int], item_
     own. A function allocates every buffer it writes before it runs and frees what it read only when it
     returns, so each instance a chain's loop op reads or writes (``chain_reads``: item, instance, in item order)
     lives to its function's last item. Counted as dying at its last read, a rebuilt matmul's output was freed
-    before the rebuilt tensors were written (``tests/test_simulate.py``)."""
+    before the rebuilt tensors were written (``tests/test_simulate.py``). The forward's functions of loops hold
+    what they read of its temporaries the same way (``_forward_function_ends``)."""
     end = -1
     for t, inst in chain_reads:
         if not in_loops[item_op[t]]:
@@ -672,32 +673,19 @@ def _held_by_functions(chain_reads: list[tuple[int, int]], ends: set[int], item_
             i_last[inst] = end
 
 
-def _held_by_forward_functions(reads: list[tuple[int, int]], events: _Events, seq: _Sequence, in_loops: list[bool],
-                               nf: int, item_rc: list, i_last: list[int]) -> None:
-    """On the step Inductor runs, the forward's loop ops are compiled into functions of loops, each a stretch of
-    consecutive loop ops ended where the plan puts a copy op (an offload issued after an op, a prefetch issued or
-    a copy waited for before one) or an extern kernel runs. A function allocates every buffer it writes before
-    it runs, so a forward temporary it reads (``reads``: item, instance) lives to its last op. Freed at its last
-    read, an attention's 8 MiB scores were gone before the softmax kernel that reads them wrote its two 8 MiB
-    outputs: a 2-layer GPT (d=128, S=256, 8 heads) planned at 0.7 of its peak peaked 14.7% above its plan, past
-    its budget. Held to the problem's run of loops instead, which no plan cuts, the leanest plan of a 1-layer one
-    counted 19.32 MiB, above its unplanned peak of 16.75."""
-    item_op = seq.item_op
-    cut_after = {seq.op_item[op] for op in events.offload_after_op}
-    cut_before = set(events.prefetch_item) | set(events.wait_before_item) | set(events.release_before_item)
-    n = len(item_op)
-    ends: dict[int, int] = {}
-    for k, _ in reads:
-        if k in ends:
-            continue
-        end = k
-        while (end not in cut_after and end + 1 < n and end + 1 not in cut_before and item_rc[end + 1] is None
-               and item_op[end + 1] < nf and in_loops[item_op[end + 1]]):
-            end += 1
-        ends[k] = end
-    for k, inst in reads:
-        if i_last[inst] < ends[k]:
-            i_last[inst] = ends[k]
+def _forward_function_ends(events: _Events, seq: _Sequence, nf: int) -> set[int]:
+    """The items where, on the step Inductor runs, a function of the forward's loops ends besides an extern
+    kernel: after an op the plan issues an offload after, before one it issues a prefetch or waits for a copy
+    before, and at the forward's last item. A function allocates every buffer it writes before it runs, so a
+    forward temporary its loops read lives to its end (``_held_by_functions``). Freed at its last read, an
+    attention's 8 MiB scores were gone before the softmax kernel that reads them wrote its two 8 MiB outputs: a
+    2-layer GPT (d=128, S=256, 8 heads) planned at 0.7 of its peak peaked 14.7% above its plan, past its budget.
+    Held to the problem's run of loops instead, which no plan cuts, the leanest plan of a 1-layer one counted
+    19.32 MiB, above its unplanned peak of 16.75."""
+    ends = {seq.op_item[op] for op in events.offload_after_op}
+    ends.update(k - 1 for k in (*events.prefetch_item, *events.wait_before_item, *events.release_before_item) if k)
+    ends.add((seq.first_item[nf] if nf < len(seq.first_item) else len(seq.item_op)) - 1)
+    return ends
 
 
 # ---- 4. timing ------------------------------------------------------------------------------------------

@@ -715,7 +715,7 @@ def test_a_forward_function_holds_what_it_reads_until_it_returns():
     """A small GPT planned at 0.7 of its peak (S=256, 8 heads: the attention scores are 8 MiB): Inductor's softmax
     kernel reads the scores and allocates the exponentials and the probabilities before it runs, so the scores
     live until the kernel returns. Freed at their last read in the graph, the planned step peaked 14.7% above its
-    plan and past its budget (``simulate._held_by_forward_functions``)."""
+    plan and past its budget (``simulate._forward_function_ends``)."""
     model, args, kwargs = build("megatron_gpt", "tiny", batch=2, seq=256, layers=2, hidden=128, heads=8, vocab=256)
     compiled = karma_fx.compile(model, budget=0.7, compiler="inductor", costs="roofline", loss_chunk=0)
     for _ in range(2):
