@@ -89,8 +89,8 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, Union
 import torch
 import torch.fx as fx
 
-from karma_fx.passes.fusible import (SCATTER_OPS, SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM, addmm_adds,
-                                     fusible_ops, inlined_ops, inlined_past_views, is_reduction, layout_optimized,
+from karma_fx.passes.fusible import (CONCATENATIONS, SCATTER_OPS, SEEDED_LOOP_OPS, SHAPE_READS, STITCHED_FROM,
+                                     addmm_adds, fusible_ops, inlined_ops, inlined_past_views, is_reduction, layout_optimized,
                                      stitched, with_channels_last_copies, channels_last_nodes)
 from karma_fx.problem import Problem
 
@@ -120,7 +120,7 @@ def fused_storages(problem: Problem, fusible: Collection[str], inlined: Collecti
             if maker.name in inlined and _read_in_its_run_only(problem, s, run_of, inlined):
                 fused.add(s.name)
             continue
-        if maker.name not in inlined or maker.mutates:
+        if maker.name not in inlined or maker.name not in fusible or maker.mutates:  # not an addmm's add
             continue
         if all(problem.ops[u].name in fusible and problem.ops[u].phase == maker.phase for u in s.users):
             fused.add(s.name)
@@ -417,7 +417,7 @@ def written_in_place(problem: Problem, fusible: Collection[str], saved_too: bool
 
     emptied: set[str] = set()
     for k, op in enumerate(problem.ops):
-        if op.name not in fusible or op.mutates:
+        if op.name not in fusible or op.mutates or op.target in CONCATENATIONS:  # a buffer of its own, made first
             continue
         taken: set[str] = set()
         for out in op.outputs:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from karma_fx.passes.liveness import storage_key
 
-__all__ = ["CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "addmm_adds", "computes_in_loops",
+__all__ = ["CONCATENATIONS", "CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "addmm_adds", "computes_in_loops",
            "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views", "is_lazily_stored", "is_reduction",
            "is_view", "layout_optimized", "stitched", "with_channels_last_copies", "channels_last_nodes"]
 
@@ -28,7 +28,7 @@ _LOOP_OPS: frozenset[str] = frozenset({
     "aten.clone.default", "aten.var_mean.correction", "aten.max.dim", "aten.min.dim", "prims.iota.default",
     "prims.convert_element_type.default", "aten.slice_scatter.default", "aten.constant_pad_nd.default",
     "aten.copy.default", "aten.select_scatter.default", "prims._low_memory_max_pool_with_offsets.default",
-    "prims._low_memory_max_pool_offsets_to_indices.default",
+    "prims._low_memory_max_pool_offsets_to_indices.default", "aten.cat.default",
 })
 """Untagged ops that Inductor lowers to a loop nest of its own (an index load, a fill, a copy, a Welford or
 arg reduction, a padding, slice or row written into a copy, a functional ``copy``) rather than to an extern
@@ -49,6 +49,15 @@ Counted as an extern kernel, a decoder's embedding gradient held its zero fill a
 buffers at the tiny size, and the eager kernel's 8 KiB scratch besides: 7.6% over a Llama step's peak).
 ``as_strided_scatter`` (the backward of an ``as_strided`` read) is lowered the same way: counted as an extern
 kernel, the copy it scatters was stored beside the buffer it scatters into (a plan 16% above its peak)."""
+
+CONCATENATIONS: frozenset[str] = frozenset({"aten.cat.default"})
+"""Inductor lowers a ``cat`` on a CPU to a ``ConcatKernel``: a buffer of its own, allocated before the loops that
+compute its inputs, which each write their result straight into their slice of it (an input some extern kernel
+made, a matmul's output, is copied in by a loop). So it is a loop op whose result is always stored, whose inputs
+cost nothing where Inductor would otherwise inline them, and whose buffer is never one an input dies in. Counted
+as an extern kernel, each input was a buffer of its own beside the result: a cat of sixteen pointwise pieces
+predicted 16.5% above its allocator peak. On a GPU Inductor may lower it pointwise and store nothing (fewer
+bytes than this counts)."""
 
 SEEDED_LOOP_OPS: frozenset[str] = frozenset({
     "prims.inductor_random.default", "prims.inductor_randint.default", "prims.inductor_lookup_seed.default",
@@ -109,7 +118,7 @@ def _stores_its_result(target: object) -> bool:
     name = str(target)
     return is_reduction(target) or name in (
         "aten.var_mean.correction", "aten.max.dim", "aten.min.dim", "prims._low_memory_max_pool_with_offsets.default"
-    ) or name in SCATTER_OPS
+    ) or name in SCATTER_OPS or name in CONCATENATIONS
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -202,13 +211,14 @@ def _inlining(graph: fx.Graph, *, views_stored_alone: bool) -> tuple[set[fx.Node
     base: dict[fx.Node, fx.Node] = {}
     opcount_limit = config.realize_opcount_threshold or config._realize_opcount_threshold_default
     backward = _after_tangents(graph) if views_stored_alone else set()
+    rewritten = addmm_adds(graph)  # extern kernels (``addmm``): their result and what they read are buffers
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if _is_view(node) and node.all_input_nodes:
             base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0])
             continue
-        if not _computes_in_loops(node.target) or _stores_its_result(node.target):
+        if not _computes_in_loops(node.target) or _stores_its_result(node.target) or node.name in rewritten:
             continue
         my_reads: set[fx.Node] = set()
         my_ops = {str(node.target).split(".")[1] if str(node.target).count(".") >= 2 else str(node.target)}
@@ -229,7 +239,8 @@ def _inlining(graph: fx.Graph, *, views_stored_alone: bool) -> tuple[set[fx.Node
         stored = (many_readers and ((cpu and any(op in _HEAVY_ON_CPU for op in my_ops))
                                     or my_count > opcount_limit or len(my_reads) > config.realize_reads_threshold)
                   ) or len(my_reads) > acc_limit or (_read_by_extern_unless_through_views(node) if views_stored_alone
-                                                     else _read_by_extern(node))
+                                                     else _read_by_extern(node)) or any(
+            u.name in rewritten for u in _read_through_views(node.users))
         if not stored:
             inlined.add(node)
             reads[node], ops[node], count[node] = frozenset(my_reads), frozenset(my_ops), my_count
@@ -528,17 +539,19 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int,
         # what that kernel reads. The copy is modelled as a node reading all of them that the fusion model takes
         # for an extern kernel's (so the gradient is stored, not inlined into it); this graph is never run
         # (not an input read for its sizes only, a pooling's: the kernel never loads it, and counted as read
-        # here it would not be held to the backward's end, where Inductor, which never frees it, holds it)
+        # here it would not be held to the backward's end, where Inductor, which never frees it, holds it). A
+        # ``stack``, which nothing here computes in loops (a ``cat`` is a loop op: ``CONCATENATIONS``)
         sized = SHAPE_READS.get(str(gradient.target))
         inputs = [a for k, a in enumerate(gradient.all_input_nodes) if k != sized]
         reads = [gradient] + [a for a in inputs if isinstance(a.meta.get("val"), torch.Tensor)
                               and (a.op == "placeholder" or a.meta.get("partitioner_tag") == "is_forward"
                                    or not _computes_in_loops(a.target))]  # stored anyway: inputs, saved, extern
         with graph.inserting_before(node) if gradient.op == "placeholder" else graph.inserting_after(gradient):
-            copy = graph.call_function(torch.ops.aten.cat.default, (reads,))
+            copy = graph.call_function(torch.ops.aten.stack.default, (reads,))
         with val.fake_mode:  # type: ignore[attr-defined]
             copy.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device=val.device,
                                            memory_format=torch.channels_last)
+        copy.meta["karma"] = {"channels_last_copy": True}
         node.update_arg(0, copy)
     graph.lint()
     joint.recompile()

@@ -129,7 +129,10 @@ def test_compiled_region_plans_name_the_same_modules():
 
 def test_compiled_gpt2_modules_match_the_captured_ones():
     model, args, kwargs = tiny("gpt2")
-    options = {"budget": 0.95, "strategy": "greedy"}
+    # 0.98: where karma finds the logits freed before the backward (the output object gone first, which in
+    # one run of five under load it was), the step's unplanned peak is 32 KiB lower and 0.95 of it is below
+    # the floor: a right refusal, and a test that failed
+    options = {"budget": 0.98, "strategy": "greedy"}
     step = torch.compile(model, backend="karma", options=options)
     for _ in range(2):  # from the second step the logits, beside the loss, are returned detached, as captured
         step(*args, **kwargs).loss.backward()
