@@ -36,16 +36,18 @@ def total_that_works(base: int, views: Sequence[Run], gaps: Sequence[int]) -> in
 
 
 def refusal(*, strategy: str, budget_bytes: int, views: list[Run], regions: list[Any], base: int, gaps: list[int],
-            leanest: Callable[[Any], Any], unplanned: int, held_grad_bytes: int, partial: bool
-            ) -> InfeasibleBudgetError:
-    """The error for a step of ``views`` (its runs, each at its leanest plan) over ``regions`` (the region of
-    each run) that does not fit ``budget_bytes``. ``partial``: the step's first run, what follows not known."""
+            leanest: Callable[[Any], Any], unplanned: int, held_grad_bytes: int, partial: bool,
+            as_written: bool = False) -> InfeasibleBudgetError:
+    """The error for a step of ``views`` (its runs, each at its leanest plan: ``leanest`` gives it for a region)
+    over ``regions`` (the region of each run) that does not fit ``budget_bytes``. ``partial``: the step's first
+    run, what follows not known. ``as_written``: the lowest the step goes is every run with nothing moved."""
     needed = total_that_works(base, views, gaps)
     split = any(leanest(r).plan.splits for r in regions if r.prepared is not None)
+    how = "nothing moved: the step as written, Inductor's own partition" if as_written else LEANEST_SWAPS
     message = (
         f"strategy {strategy!r} cannot fit the training step in {format_bytes(budget_bytes)}"
         + (f" (its {len(views)} compiled region runs share the budget)" if len(views) > 1 else "")
-        + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: {LEANEST_SWAPS}"
+        + f": the smallest budget known to work is {format_bytes(needed)} ({needed} bytes: {how}"
         + (", convolutions run a piece of the batch at a time" if split else "")
         + f"), which the default strategy {DEFAULT_STRATEGY!r} "
           f"reaches; with nothing moved the step peaks at {format_bytes(unplanned)}"

@@ -1769,3 +1769,28 @@ def test_a_cat_is_one_buffer_its_inputs_are_written_into(make):
             p.grad = None
     assert not compiled.plan.decisions
     assert_measured_within_plan(model, compiled, (x,), {}, below=0.01)
+
+
+def test_a_refusal_names_the_step_as_written_where_that_is_the_lowest():
+    """Sixteen pieces concatenated: every plan that swaps compiles the partition planned, which peaks above
+    Inductor's own partition of the step as written (4.13 MiB against 3.13). A refusal named the former as the
+    smallest budget that works; it names the step as written, and that budget runs."""
+    from karma_fx.errors import InfeasibleBudgetError
+    from karma_fx.measure_run import measure_step_peak
+
+    torch.manual_seed(0)
+    model, x = SixteenPieces(), torch.randn(8, 256, 128)
+    compiled = karma_fx.compile(model, budget=0.85, compiler="inductor", costs="roofline")
+    with pytest.raises(InfeasibleBudgetError, match="nothing moved: the step as written") as refused:
+        for _ in range(3):
+            output_to_loss(compiled(x)).backward()
+    floor = refused.value.min_budget_bytes
+    assert floor <= compiled.unplanned_peak_bytes * 1.002, (floor, compiled.unplanned_peak_bytes)
+    assert compiled.min_budget_bytes <= floor
+    torch._dynamo.reset()
+    compiled = karma_fx.compile(model, budget=floor, compiler="inductor", costs="roofline")
+    for _ in range(2):
+        output_to_loss(compiled(x)).backward()
+        for p in model.parameters():
+            p.grad = None
+    assert measure_step_peak(model, compiled, (x,), {}, output_to_loss).peak_bytes <= floor
