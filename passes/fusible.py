@@ -17,9 +17,10 @@ import torch.fx as fx
 
 from karma_fx.passes.liveness import storage_key
 
-__all__ = ["CONCATENATIONS", "CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "addmm_adds", "computes_in_loops",
-           "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views", "is_lazily_stored", "is_reduction",
-           "is_view", "layout_optimized", "stitched", "with_channels_last_copies", "channels_last_nodes"]
+__all__ = ["CONCATENATIONS", "CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "addmm_adds",
+           "computes_in_loops", "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views",
+           "is_lazily_stored", "is_pointwise", "is_reduction", "is_view", "layout_optimized", "stitched", "with_channels_last_copies",
+           "channels_last_nodes"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -51,13 +52,16 @@ buffers at the tiny size, and the eager kernel's 8 KiB scratch besides: 7.6% ove
 kernel, the copy it scatters was stored beside the buffer it scatters into (a plan 16% above its peak)."""
 
 CONCATENATIONS: frozenset[str] = frozenset({"aten.cat.default"})
-"""Inductor lowers a ``cat`` on a CPU to a ``ConcatKernel``: a buffer of its own, allocated before the loops that
-compute its inputs, which each write their result straight into their slice of it (an input some extern kernel
-made, a matmul's output, is copied in by a loop). So it is a loop op whose result is always stored, whose inputs
-cost nothing where Inductor would otherwise inline them, and whose buffer is never one an input dies in. Counted
-as an extern kernel, each input was a buffer of its own beside the result: a cat of sixteen pointwise pieces
-predicted 16.5% above its allocator peak. On a GPU Inductor may lower it pointwise and store nothing (fewer
-bytes than this counts)."""
+"""Inductor lowers a ``cat`` on a CPU to a ``ConcatKernel`` (of 8-bit integers only, to ATen's: ``_in_loops``): a
+buffer of its own, which the loops computing its inputs write their slices of, so it is a loop op whose result is
+always stored and never written over an input that dies there. An input computed at the cat costs nothing; one
+Inductor has stored already with a layout it may still choose (a reduction, a 2-D matmul's output) is written into
+its slice too, and one it may not (a graph input, a view, a saved value) is copied in by a loop. The model counts
+those written earlier as buffers of their own beside the cat's (more than runs), and starts the cat's buffer at
+the cat, where Inductor allocates it with the first of them (less than runs, by the cat less that input: a known
+gap). Counted as an extern kernel, each input was a buffer of its own beside the result: a cat of sixteen
+pointwise pieces predicted a third above its allocator peak. On a GPU Inductor may lower it pointwise and store
+nothing (fewer bytes than this counts)."""
 
 SEEDED_LOOP_OPS: frozenset[str] = frozenset({
     "prims.inductor_random.default", "prims.inductor_randint.default", "prims.inductor_lookup_seed.default",
@@ -103,14 +107,40 @@ def is_reduction(target: object) -> bool:
 
 
 def is_pointwise(target: object) -> bool:
-    """Whether ``target`` is an aten op tagged pointwise (one output element from the same element of each input)."""
+    """Whether ``target`` (an op, or its name as ``str(op)`` writes it) is an aten op tagged pointwise (one output
+    element from the same element of each input)."""
+    if isinstance(target, str):
+        target = _op_named(target)
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+def _op_named(name: str) -> object:
+    """The op ``str(op)`` names (``aten.where.self``), or None."""
+    namespace, _, rest = name.partition(".")
+    packet, _, overload = rest.partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _computes_in_loops(target: object) -> bool:
     if is_pointwise(target):
         return True
     return is_reduction(target) or str(target) in _LOOP_OPS or str(target) in SCATTER_OPS
+
+
+def _in_loops(node: fx.Node) -> bool:
+    """Whether Inductor computes the op ``node`` calls in its own loops (``_computes_in_loops``), save a ``cat`` of
+    8-bit integers, which it leaves to ATen on a CPU: an extern kernel, each input a buffer of its own."""
+    if not _computes_in_loops(node.target):
+        return False
+    if str(node.target) in CONCATENATIONS and node.args and isinstance(node.args[0], (list, tuple)):
+        vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[0]]
+        if all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype in (torch.int8, torch.uint8)
+               for v in vals):
+            return False
+    return True
 
 
 def _stores_its_result(target: object) -> bool:
@@ -127,7 +157,7 @@ def _is_view(node: fx.Node) -> bool:
 
 def computes_in_loops(node: fx.Node) -> bool:
     """Whether Inductor computes ``node`` in its own loops (not an extern kernel, not a view)."""
-    return node.op == "call_function" and not _is_view(node) and _computes_in_loops(node.target)
+    return node.op == "call_function" and not _is_view(node) and _in_loops(node)
 
 
 def is_view(node: fx.Node) -> bool:
@@ -140,7 +170,7 @@ def fusible_ops(graph: fx.Graph) -> frozenset[str]:
     reduction ops, index loads, fills, copies and the scatters Inductor generates (``SCATTER_OPS``). Everything
     else (matmuls, convolutions, random draws, fallbacks, ``karma`` ops) is an extern kernel that reads and
     writes allocated buffers."""
-    return frozenset(n.name for n in graph.nodes if n.op == "call_function" and _computes_in_loops(n.target))
+    return frozenset(n.name for n in graph.nodes if n.op == "call_function" and _in_loops(n))
 
 
 def inlined_ops(graph: fx.Graph) -> frozenset[str]:
@@ -218,7 +248,7 @@ def _inlining(graph: fx.Graph, *, views_stored_alone: bool) -> tuple[set[fx.Node
         if _is_view(node) and node.all_input_nodes:
             base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0])
             continue
-        if not _computes_in_loops(node.target) or _stores_its_result(node.target) or node.name in rewritten:
+        if not _in_loops(node) or _stores_its_result(node.target) or node.name in rewritten:
             continue
         my_reads: set[fx.Node] = set()
         my_ops = {str(node.target).split(".")[1] if str(node.target).count(".") >= 2 else str(node.target)}
@@ -250,7 +280,7 @@ def _inlining(graph: fx.Graph, *, views_stored_alone: bool) -> tuple[set[fx.Node
 def is_lazily_stored(node: fx.Node) -> bool:
     """Whether Inductor lowers ``node`` to a loop it stores only when a reader needs it (a pointwise op, a
     fill, a copy), not as soon as it is lowered (a reduction, a scatter) nor as an extern kernel."""
-    return (node.op == "call_function" and not _is_view(node) and _computes_in_loops(node.target)
+    return (node.op == "call_function" and not _is_view(node) and _in_loops(node)
             and not _stores_its_result(node.target) and isinstance(node.meta.get("val"), torch.Tensor))
 
 
@@ -258,7 +288,7 @@ def extern_readers(node: fx.Node, *, copy_into_input_is_extern: bool = False) ->
     """The extern kernels (not Inductor's loops) that read ``node``, directly or through views. A ``copy_`` into
     a graph input (a BatchNorm's running statistics) is a loop of Inductor's writing into that input; the
     memory model counts it as an extern kernel (``copy_into_input_is_extern``), which it has matched so far."""
-    return [user for user in _read_through_views(node.users) if not _computes_in_loops(user.target)
+    return [user for user in _read_through_views(node.users) if not _in_loops(user)
             and (copy_into_input_is_extern or user.target is not torch.ops.aten.copy_.default)]
 
 
@@ -301,7 +331,7 @@ def _after_tangents(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _is_extern(node: fx.Node) -> bool:
-    return node.op == "call_function" and not _is_view(node) and not _computes_in_loops(node.target)
+    return node.op == "call_function" and not _is_view(node) and not _in_loops(node)
 
 
 def _stores_only_the_view(view: fx.Node) -> bool:
@@ -350,9 +380,9 @@ def inlined_past_views(graph: fx.Graph) -> dict[str, dict[str, bool]]:
         if node not in inlined or not _read_by_extern(node) or _varying_reads(reads[node]) > 1:
             continue
         stored = {u for u in node.users if _is_view(u) and extern_readers(u, copy_into_input_is_extern=True)}
-        through = {u.name for u in _read_through_views(stored) if _computes_in_loops(u.target)}
+        through = {u.name for u in _read_through_views(stored) if _in_loops(u)}
         again = {u.name for u in _read_through_views(u for u in node.users if u not in stored)
-                 if _computes_in_loops(u.target)}
+                 if _in_loops(u)}
         if again:
             found[node.name] = {name: name in through for name in again}
     return found
@@ -539,13 +569,13 @@ def with_channels_last_copies(joint: fx.GraphModule, num_fwd_outputs: int,
         # what that kernel reads. The copy is modelled as a node reading all of them that the fusion model takes
         # for an extern kernel's (so the gradient is stored, not inlined into it); this graph is never run
         # (not an input read for its sizes only, a pooling's: the kernel never loads it, and counted as read
-        # here it would not be held to the backward's end, where Inductor, which never frees it, holds it). A
-        # ``stack``, which nothing here computes in loops (a ``cat`` is a loop op: ``CONCATENATIONS``)
+        # here it would not be held to the backward's end, where Inductor, which never frees it, holds it). The
+        # node is a ``stack``, which nothing here computes in loops (a ``cat`` is a loop op: ``CONCATENATIONS``)
         sized = SHAPE_READS.get(str(gradient.target))
         inputs = [a for k, a in enumerate(gradient.all_input_nodes) if k != sized]
         reads = [gradient] + [a for a in inputs if isinstance(a.meta.get("val"), torch.Tensor)
                               and (a.op == "placeholder" or a.meta.get("partitioner_tag") == "is_forward"
-                                   or not _computes_in_loops(a.target))]  # stored anyway: inputs, saved, extern
+                                   or not _in_loops(a))]  # stored anyway: inputs, saved, extern
         with graph.inserting_before(node) if gradient.op == "placeholder" else graph.inserting_after(gradient):
             copy = graph.call_function(torch.ops.aten.stack.default, (reads,))
         with val.fake_mode:  # type: ignore[attr-defined]
@@ -586,7 +616,7 @@ def _reads_channels_last(node: fx.Node, channels_last: frozenset[str]) -> bool:
             if isinstance(val, torch.Tensor) and val.shape == shape:  # per-channel statistics cast no vote
                 layouts.add(n.meta.get(STITCHED_FROM, n.name) in channels_last)
             continue
-        if n.op == "call_function" and _computes_in_loops(n.target):
+        if n.op == "call_function" and _in_loops(n):
             stack.extend(n.all_input_nodes)
     return layouts == {True}
 
