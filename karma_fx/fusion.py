@@ -430,8 +430,8 @@ def written_in_place(problem: Problem, fusible: Collection[str], saved_too: bool
     def free_to_write_over(name: str, phase: str) -> bool:
         s = problem.storage(name)
         return one_phase_temp(name, phase) or (
-            saved_too and phase == "bwd" and s.kind == "activation" and not s.is_output and s.producer is not None
-            and s.producer < nf and any(u >= nf for u in s.users))
+            saved_too and phase == "bwd" and s.kind in _FUSED_KINDS and not s.is_output and s.producer is not None
+            and s.producer < nf and any(u >= nf for u in readers[name]))  # (a temporary holding a saved value too)
 
     emptied: set[str] = set()
     for k, op in enumerate(problem.ops):

@@ -609,7 +609,8 @@ class Session:
             if made is not None and _gone(made[2]):  # an output gone, its storage object's address taken again
                 made = None
             if made is None:  # the batch, or what eager code made from it: held by the caller
-                self._batch[pointer] = nbytes
+                if pointer not in self._weights:  # (a buffer Dynamo passes as an input is a weight, counted)
+                    self._batch[pointer] = nbytes
                 own[pointer] = nbytes
                 continue
             saved = inputs[i][1] if i < len(inputs) else True

@@ -418,3 +418,30 @@ def test_a_refused_call_leaves_the_next_steps_to_themselves():
         model.zero_grad(set_to_none=True)
         F.cross_entropy(step(x), y).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _LookupTable(torch.nn.Module):
+    """A linear layer and a 4 MiB buffer it reads a slice of, never updated: Dynamo passes the buffer to the
+    compiled region as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(128, 128)
+        self.register_buffer("table", torch.randn(1024, 1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + self.table[:1, :128]).sum()
+
+
+def test_a_buffer_passed_as_an_input_is_counted_once():
+    """The session counted such a buffer twice, with the weights and with the batch: 65% above the step's peak."""
+    from karma_fx.measure_run import measure_step_peak
+
+    torch.manual_seed(0)
+    model, x = _LookupTable(), torch.randn(8, 256, 128)
+    compiled = karma_fx.compile(model, budget=1.0)
+    for _ in range(2):
+        compiled(x).backward()
+        model.zero_grad(set_to_none=True)
+    measured = measure_step_peak(model, compiled, (x,), {}, lambda loss: loss).peak_bytes
+    assert abs(compiled.predicted_peak_bytes / measured - 1) < 0.02, (measured, compiled.predicted_peak_bytes)
