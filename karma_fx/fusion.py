@@ -519,13 +519,13 @@ def inputs_held_through_runs(problem: Problem, fusible: Collection[str], links: 
     and a CNN's plan ran 1.6% over its budget. Other saved activations are not held: a plan may put a
     recomputation or a prefetch inside a run, which ends the function there (``passes.rewrite`` pins it), and
     every saved activation held to its run's end put the in-place-views probe's step as written 6.5% above its
-    measured peak. A forward run is left as it is,
-    since a recompute of its last op would then need everything the run read (no plan recomputes a backward
-    op); the simulator holds a forward temporary to the end of the function that reads it, where the plan's copy
-    ops cut the run (``simulate._forward_function_ends``). Without it, the scattering model's plan at 0.9 was
-    predicted 10% under its measured peak, past its budget; with it, a temporary read before a recomputation placed inside a function is counted to the function's end (a
-    2-layer GPT with dropout, checkpointed at 0.9: a 128 KiB matmul output; its plans 5-8% above their measured
-    peaks, where they were 4%).
+    measured peak. A forward run is left as it is, since a recompute of its last op would then need everything the
+    run read (no plan recomputes a backward op); the simulator holds a forward temporary to the end of the function
+    that reads it, where the plan's copy ops cut the run (``simulate._forward_function_ends``). Without it, the
+    scattering model's plan at 0.9 was predicted 10% under its measured peak, past its budget; with it, a temporary
+    read before a recomputation placed inside a function is counted to the function's end (a 2-layer GPT with
+    dropout, checkpointed at 0.9: a 128 KiB matmul output; its plans 5-8% above their measured peaks, where they
+    were 4%).
     ``links``: the same ops with only what each reads for its values (before ``outputs_held_through_runs``, whose
     reads link every op of a run to its last), for the links and the earlier readers; what is held is read off
     ``problem``, where a value written over another buffer is read through that buffer."""

@@ -19,8 +19,8 @@ from karma_fx.passes.liveness import storage_key
 
 __all__ = ["CONCATENATIONS", "CONVOLUTION_READS", "SEEDED_LOOP_OPS", "SHAPE_READS", "STITCHED_FROM", "addmm_adds",
            "computes_in_loops", "extern_readers", "fusible_ops", "inlined_ops", "inlined_past_views",
-           "is_lazily_stored", "is_pointwise", "is_reduction", "is_view", "layout_optimized", "stitched", "with_channels_last_copies",
-           "channels_last_nodes"]
+           "is_lazily_stored", "is_pointwise", "is_reduction", "is_view", "layout_optimized", "stitched",
+           "with_channels_last_copies", "channels_last_nodes"]
 
 _LOOP_OPS: frozenset[str] = frozenset({
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten._unsafe_index.Tensor",
@@ -266,11 +266,11 @@ def _inlining(graph: fx.Graph, *, views_stored_alone: bool) -> tuple[set[fx.Node
         acc_limit = (config.realize_acc_reads_threshold
                      or (config.realize_cpu_acc_reads_threshold if cpu else config._realize_acc_reads_threshold_default))
         many_readers = len(set(node.users)) > 1 or any(_is_view(u) and len(u.users) > 1 for u in node.users)
+        read_by_extern = (_read_by_extern_unless_through_views(node) if views_stored_alone else _read_by_extern(node)
+                          ) or any(u.name in rewritten for u in _read_through_views(node.users))
         stored = (many_readers and ((cpu and any(op in _HEAVY_ON_CPU for op in my_ops))
                                     or my_count > opcount_limit or len(my_reads) > config.realize_reads_threshold)
-                  ) or len(my_reads) > acc_limit or (_read_by_extern_unless_through_views(node) if views_stored_alone
-                                                     else _read_by_extern(node)) or any(
-            u.name in rewritten for u in _read_through_views(node.users))
+                  ) or len(my_reads) > acc_limit or read_by_extern
         if not stored:
             inlined.add(node)
             reads[node], ops[node], count[node] = frozenset(my_reads), frozenset(my_ops), my_count

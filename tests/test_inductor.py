@@ -434,6 +434,15 @@ def assert_measured_within_plan(model, compiled, args, kwargs, below=None, slack
         assert measured >= planned * (1 - below), (measured, planned)
 
 
+def steady(compiled, model, args, kwargs, steps: int = 2) -> None:
+    """Train ``compiled`` (a view of ``model``) ``steps`` steps, gradients cleared after each: past the steps
+    that trace and measure, so that the next is a steady one."""
+    for _ in range(steps):
+        output_to_loss(compiled(*args, **kwargs)).backward()
+        for p in model.parameters():
+            p.grad = None
+
+
 class PoolCNN(torch.nn.Module):
     """Two convolutions, a 1x1 convolution and an average pooling (a DenseNet transition), a linear head."""
 
@@ -457,10 +466,7 @@ def test_a_pooling_input_read_for_its_shape_lives_until_the_backward_returns():
     torch.manual_seed(0)
     model, x = PoolCNN(), torch.randn(16, 3, 32, 32)
     compiled = karma_fx.compile(model, budget=0.99, strategy="cpsat", compiler="inductor", costs="roofline")
-    for _ in range(2):
-        output_to_loss(compiled(x)).backward()
-        for p in model.parameters():
-            p.grad = None
+    steady(compiled, model, (x,), {})
     pool_input = "convolution_2"
     # a plan (moves, or kernels split: which is faster depends on a split's measured time), keeping the input
     assert compiled.plan.decisions or compiled.plan.splits
@@ -702,10 +708,7 @@ def test_a_planned_step_peaks_at_its_plan(config, below):
     compiled = karma_fx.compile(model, budget=0.9, strategy="checkpoint", compiler="inductor", costs="roofline")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
-            output_to_loss(compiled(*args, **kwargs)).backward()
-            for p in model.parameters():
-                p.grad = None
+        steady(compiled, model, args, kwargs)
     assert any(isinstance(d, Recompute) for d in compiled.plan.decisions), compiled.plan.status
     assert not [w for w in caught if "karma_fx" in str(w.message)]
     assert_measured_within_plan(model, compiled, args, kwargs, below=below)
@@ -718,10 +721,7 @@ def test_a_forward_function_holds_what_it_reads_until_it_returns():
     plan and past its budget (``simulate._forward_function_ends``)."""
     model, args, kwargs = build("megatron_gpt", "tiny", batch=2, seq=256, layers=2, hidden=128, heads=8, vocab=256)
     compiled = karma_fx.compile(model, budget=0.7, compiler="inductor", costs="roofline", loss_chunk=0)
-    for _ in range(2):
-        output_to_loss(compiled(*args, **kwargs)).backward()
-        for p in model.parameters():
-            p.grad = None
+    steady(compiled, model, args, kwargs)
     assert any(isinstance(d, Offload) for d in compiled.plan.decisions), compiled.plan.status
     assert_measured_within_plan(model, compiled, args, kwargs, below=0.03)
 
@@ -1616,10 +1616,7 @@ def test_a_step_as_written_with_attention_dropout_is_predicted_to_its_peak():
     model, args, kwargs = build("megatron_gpt", "tiny", batch=4, seq=128, layers=2, hidden=64, heads=4, vocab=256,
                                 dropout=0.1)
     compiled = karma_fx.compile(model, budget=1.0, compiler="inductor")
-    for _ in range(2):
-        output_to_loss(compiled(*args, **kwargs)).backward()
-        for p in model.parameters():
-            p.grad = None
+    steady(compiled, model, args, kwargs)
     assert not compiled.plan.decisions
     assert_measured_within_plan(model, compiled, args, kwargs, below=0.01)
 
@@ -1678,10 +1675,7 @@ def test_a_random_draw_computed_again_across_a_matmul_is_a_buffer():
     torch.manual_seed(0)
     model, x = InputDropout(), torch.randn(4096, 256)
     compiled = karma_fx.compile(model, budget=1.0, strategy="greedy", compiler="inductor")
-    for _ in range(2):
-        output_to_loss(compiled(x)).backward()
-        for p in model.parameters():
-            p.grad = None
+    steady(compiled, model, (x,), {})
     assert_measured_within_plan(model, compiled, (x,), {}, below=0.01)
 
 
@@ -1763,10 +1757,7 @@ def test_a_cat_is_one_buffer_its_inputs_are_written_into(make):
     torch.manual_seed(0)
     model, x = make(), torch.randn(8, 256, 128)
     compiled = karma_fx.compile(model, budget=1.0, compiler="inductor", costs="roofline")
-    for _ in range(2):
-        output_to_loss(compiled(x)).backward()
-        for p in model.parameters():
-            p.grad = None
+    steady(compiled, model, (x,), {})
     assert not compiled.plan.decisions
     assert_measured_within_plan(model, compiled, (x,), {}, below=0.01)
 
@@ -1789,10 +1780,7 @@ def test_a_refusal_names_the_step_as_written_where_that_is_the_lowest():
     assert compiled.min_budget_bytes <= floor
     torch._dynamo.reset()
     compiled = karma_fx.compile(model, budget=floor, compiler="inductor", costs="roofline")
-    for _ in range(2):
-        output_to_loss(compiled(x)).backward()
-        for p in model.parameters():
-            p.grad = None
+    steady(compiled, model, (x,), {})
     assert measure_step_peak(model, compiled, (x,), {}, output_to_loss).peak_bytes <= floor
 
 
@@ -1803,9 +1791,6 @@ def test_the_step_as_written_writes_a_saved_softmax_over_its_exponentials():
     a fraction budget was a fraction of that."""
     model, args, kwargs = build("megatron_gpt", "tiny", batch=2, seq=256, layers=2, hidden=128, heads=8, vocab=256)
     compiled = karma_fx.compile(model, budget=1.0, compiler="inductor", costs="roofline")
-    for _ in range(2):
-        output_to_loss(compiled(*args, **kwargs)).backward()
-        for p in model.parameters():
-            p.grad = None
+    steady(compiled, model, args, kwargs)
     assert not compiled.plan.decisions
     assert_measured_within_plan(model, compiled, args, kwargs, below=0.02)
