@@ -192,6 +192,7 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
     are added to ``known``."""
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from karma_fx.measure_apart import scratch_apart
     from karma_fx.measure_run import ProfilerBusy
     from karma_fx.passes.liveness import aliased_base
     from karma_fx.passes.measure import JointCosts, op_signature, pooled, scratch_and_split_costs, time_joint
@@ -215,7 +216,7 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
     times: dict[str, float] = {}
     with _disable_current_modes():
         try:
-            scratch, split = scratch_and_split_costs(step, primals)
+            scratch, split = scratch_and_split_costs(step, primals, apart=scratch_apart)
             scratch_known = True
         except ProfilerBusy:
             scratch_known = False
@@ -305,6 +306,7 @@ def channels_last_scratch(step: Any, primals: list[torch.Tensor], known: Measure
     the step is not run again."""
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from karma_fx.measure_apart import scratch_apart
     from karma_fx.passes.fusible import CONVOLUTION_READS
     from karma_fx.passes.measure import channels_last_scratch as measure, op_signature
 
@@ -313,7 +315,7 @@ def channels_last_scratch(step: Any, primals: list[torch.Tensor], known: Measure
     if known is not None and keys and all(k in known for k in keys.values()):
         return {name: known[k] for name, k in keys.items()}
     with _disable_current_modes():
-        scratch = measure(step, primals)
+        scratch = measure(step, primals, apart=scratch_apart)
     if known is not None and scratch:
         for name, k in keys.items():
             known[k] = scratch.get(name, 0)

@@ -28,7 +28,8 @@ import torch.utils._pytree as pytree
 from karma_fx.measure_run import event_device
 from karma_fx.passes.capture import CapturedStep
 from karma_fx.passes.fusible import CONVOLUTION_READS
-from karma_fx.passes.liveness import execution_order, forward_node_count, is_mutating, tensors_of
+from karma_fx.passes.liveness import execution_order, forward_node_count, tensors_of
+from karma_fx.passes.op_tape import OpTape, TapeOp, op_tape, run_tape
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,6 @@ def measure_step(step: CapturedStep, model: nn.Module, args: tuple = (), kwargs:
     return Measurement(live_bytes=live_bytes, peak_bytes=peak)
 
 
-def _moved(value: Any, device: torch.device) -> Any:
-    """``value`` on ``device`` if it is a tensor elsewhere (a weight already there stays itself)."""
-    return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
-
-
 def graph_constants(gm: fx.GraphModule) -> dict[fx.Node, Any]:
     """The values of ``gm``'s ``get_attr`` nodes: constants the trace lifted (HF T5 makes scalars and empty
     tensors in its forward, ``_tensor_constant0``...), which no placeholder carries."""
@@ -135,64 +131,13 @@ def _live_storage_bytes(values: Any) -> int:
     return sum(seen.values())
 
 
-def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable[[fx.Node], Any], *,
-               spill: bool = False, after: Callable[[fx.Node, tuple, dict], None] | None = None,
+def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable[[TapeOp], Any], *,
+               spill: bool = False, after: Callable[[TapeOp, tuple, dict], None] | None = None,
                instead: dict[Any, Callable] | None = None) -> None:
-    """Run ``step.joint`` once for real, node by node in execution order (as the boxed forward and backward
-    graphs run it), each node inside the context manager ``around(node)``; tangents are ones. Called from
-    inside AOTAutograd's partitioner too, where a fake-tensor mode is active: it runs on the real tensors.
-
-    ``spill`` (a step on a GPU): every value lives in host memory between the ops, and each op's inputs are
-    copied to the device just before it runs (outside ``around``), its outputs back just after. The device then
-    holds the weights and one op's inputs, outputs and scratch at a time, not the unplanned step, which is what
-    a budget is set below: measuring a step that does not fit must not need the memory it does not have.
-
-    ``after(node, args, kwargs)``, where given, is called once each node has run (outside ``around``), with the
-    tensors it read, to measure something else on them (``scratch_and_split_costs``). ``instead``: ops run in
-    place of others (a reshape for a view, on tensors laid out otherwise than traced)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
-    # The step writes its new buffers (a BatchNorm's running statistics) into the inputs that hold them: a
-    # measuring run writes into copies, or each one would be a training step more (under Inductor, whose
-    # partitioner hands the measurement the model's own buffers, a first step counted three batches).
-    written = {ph for ph in placeholders for user in ph.users
-               if is_mutating(user) and user.args and user.args[0] is ph}
-    num_fwd = forward_node_count(step)
-    order = execution_order(step)
-    # Each value is dropped after its last reader, as the step itself frees it, so a timing run allocates as
-    # the step does instead of holding every intermediate of the step at once.
-    last_read: dict[fx.Node, int] = {}
-    for pos, node in enumerate(order):
-        for arg in node.all_input_nodes:
-            last_read[arg] = pos
-    done_at: dict[int, list[fx.Node]] = {}
-    for node, pos in last_read.items():
-        done_at.setdefault(pos, []).append(node)
-    device, host = primals[0].device if primals else torch.device("cpu"), torch.device("cpu")
-    with _disable_current_modes(), torch.no_grad():
-        env: dict[fx.Node, Any] = {ph: t.clone() if ph in written and isinstance(t, torch.Tensor) else t
-                                   for ph, t in zip(placeholders, primals)}
-        env.update(graph_constants(step.joint))
-        for pos, node in enumerate(order):
-            if pos == num_fwd:
-                for ph in placeholders[len(primals):]:
-                    val = ph.meta["val"]
-                    env[ph] = torch.ones(val.shape, dtype=val.dtype, device=host if spill else device)
-            a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            if spill:
-                a, kw = pytree.tree_map(lambda v: _moved(v, device), (a, kw))
-            with around(node):
-                out = (instead or {}).get(node.target, node.target)(*a, **kw)
-            if after is not None:
-                after(node, a, kw)
-            del a, kw
-            env[node] = pytree.tree_map(lambda v: _moved(v, host), out) if spill else out
-            del out
-            for finished in done_at.get(pos, ()):
-                env.pop(finished, None)
-            if node not in last_read:
-                env.pop(node, None)
+    """Run ``step.joint`` once for real, op by op as the step runs them (``passes.op_tape.run_tape``, which
+    says how). Called from inside AOTAutograd's partitioner too, where a fake-tensor mode is active: it runs on
+    the real tensors."""
+    run_tape(op_tape(step), primals, around, spill=spill, after=after, instead=instead)
 
 
 _NODE_TAG = "karma_fx.node:"
@@ -399,7 +344,7 @@ def scratch_bytes(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, 
 
 
 def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor], *, pieces: bool = True,
-                            instead: dict[Any, Callable] | None = None
+                            instead: dict[Any, Callable] | None = None, apart: Callable | None = None
                             ) -> tuple[dict[str, int], dict[str, tuple[tuple[int, int, float], ...]]]:
     """Run ``step.joint`` for real once, node by node, and return for each node the bytes its kernel
     allocates beyond what it leaves allocated: its scratch (a mask cast to the data's dtype in dropout's
@@ -413,23 +358,37 @@ def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor], *, 
     again on the same tensors in each number of pieces the planner may choose (``karma_fx.split.SPLIT_CHUNKS``),
     its scratch measured the same way (a piece's output before it is put in place counts, and whatever part of
     the scratch does not shrink with the batch) and, on a CPU, its wall time against the whole op's, so that a
-    split is priced as measured, never assumed (not with ``pieces=False``). ``instead``: as ``_run_joint``'s."""
+    split is priced as measured, never assumed (not with ``pieces=False``). ``instead``: as ``run_tape``'s.
 
+    ``apart(tape, primals, pieces, instead)``, where given: how to measure where a torch.profiler session of
+    someone else's already runs in this process on a CPU (``karma_fx.measure_apart``: in another process);
+    without it, ``ProfilerBusy`` is raised there."""
+    from karma_fx.measure_run import profiler_running
+
+    tape = op_tape(step)
+    if apart is not None and profiler_running() and not any(t.is_cuda for t in primals):
+        return apart(tape, primals, pieces, instead)
+    return tape_scratch_and_split_costs(tape, primals, pieces=pieces, instead=instead)
+
+
+def tape_scratch_and_split_costs(tape: OpTape, primals: list[torch.Tensor], *, pieces: bool = True,
+                                 instead: dict[Any, Callable] | None = None
+                                 ) -> tuple[dict[str, int], dict[str, tuple[tuple[int, int, float], ...]]]:
+    """``scratch_and_split_costs`` of a step written as a tape (``passes.op_tape``)."""
     from torch.profiler import record_function
 
     from karma_fx.measure_run import allocator_events
     from karma_fx.split import SPLIT_CHUNKS
-    from karma_fx.split_ops import SPLIT_OPS, split_limit
+    from karma_fx.split_ops import SPLIT_OPS
 
     cuda = any(t.is_cuda for t in primals)
     ratios: dict[str, dict[int, float]] = {}
 
-    def try_pieces(node: fx.Node, args: tuple, kwargs: dict) -> None:
-        batch = split_limit(node)
-        if batch <= 1:
+    def try_pieces(node: TapeOp, args: tuple, kwargs: dict) -> None:
+        if node.split_batch <= 1:
             return
         whole = _wall_us(lambda: node.target(*args, **kwargs), cuda)
-        for pieces in (k for k in SPLIT_CHUNKS if k <= batch):
+        for pieces in (k for k in SPLIT_CHUNKS if k <= node.split_batch):
             op = SPLIT_OPS[node.target]
             with record_function(f"{_SPLIT_TAG}{pieces}:{node.name}"):
                 out = op(*args, **kwargs, chunks=pieces)
@@ -439,8 +398,8 @@ def scratch_and_split_costs(step: CapturedStep, primals: list[torch.Tensor], *, 
 
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
         with allocator_events() as prof:
-            _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name), spill=cuda,
-                       after=try_pieces if pieces else None, instead=instead)
+            run_tape(tape, primals, lambda node: record_function(_NODE_TAG + node.name), spill=cuda,
+                     after=try_pieces if pieces else None, instead=instead)
     events = prof.profiler.kineto_results.events()
     device = "CUDA" if cuda else "CPU"
     memory = sorted((e.start_ns(), e.nbytes()) for e in events
@@ -481,7 +440,8 @@ _RESHAPES: dict[Any, Callable] = {torch.ops.aten.view.default: torch.ops.aten.re
                                   torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 
 
-def channels_last_scratch(step: CapturedStep, primals: list[torch.Tensor]) -> dict[str, int]:
+def channels_last_scratch(step: CapturedStep, primals: list[torch.Tensor], apart: Callable | None = None
+                          ) -> dict[str, int]:
     """Each convolution's scratch (forward and backward, 0 where it has none) with the step run channels-last,
     as Inductor's layout optimization runs it (``passes.fusible.with_channels_last_copies``): the inputs the
     convolutions read are given channels-last, and every activation after follows. It is not the scratch of
@@ -489,7 +449,7 @@ def channels_last_scratch(step: CapturedStep, primals: list[torch.Tensor]) -> di
     allocate less channels-last) but a channels-last weight's gradient (ResNet-50 at tiny size: 0.42 MiB
     channels-last against 0.14 MiB for its widest 3x3 convolution's backward, where its step as written
     peaks). Views are run as reshapes (a flatten of a channels-last activation is no view); empty where the
-    step cannot run so."""
+    step cannot run so. ``apart``: as ``scratch_and_split_costs``'."""
     placeholders = [n for n in step.joint.graph.nodes if n.op == "placeholder"]
     forward = torch.ops.aten.convolution.default
     read = {node.args[i] for node in step.joint.graph.nodes if node.target is forward
@@ -498,7 +458,7 @@ def channels_last_scratch(step: CapturedStep, primals: list[torch.Tensor]) -> di
              if ph in read and isinstance(t, torch.Tensor) and t.dim() == 4 else t
              for ph, t in zip(placeholders, primals)]
     try:
-        scratch, _ = scratch_and_split_costs(step, given, pieces=False, instead=_RESHAPES)
+        scratch, _ = scratch_and_split_costs(step, given, pieces=False, instead=_RESHAPES, apart=apart)
     except RuntimeError:  # a view of a channels-first layout: the convolutions' traced scratch is all there is
         return {}
     return {n.name: scratch.get(n.name, 0) for n in step.joint.graph.nodes if n.target in CONVOLUTION_READS}
