@@ -306,7 +306,7 @@ def timed_as(twin: Prepared, base: Prepared) -> Prepared:
 
 def _prepare(model: nn.Module, args: Any, kwargs: Any, device: Any, name: str | None, costs: str | None,
              compiler: str, loss_chunk: int | None) -> Prepared:
-    from karma_fx.pricing import choose, price
+    from karma_fx.pricing import as_written, choose, price
 
     args, kwargs = _check_call(model, args, kwargs)
     params = list(model.parameters())
@@ -342,7 +342,7 @@ def _prepare(model: nn.Module, args: Any, kwargs: Any, device: Any, name: str | 
     seconds.update(capture=t1 - t0, liveness=t2 - t1, costs=t3 - t2)
     return Prepared(problem=problem, costs=cost_model, keep=keep, step=step, seconds=seconds, pricing=pricing,
                     loss_chunk=step.loss_chunk, tokens=step.loss_tokens,
-                    keep_all_excess=step.keep_all_excess() if step.keep_all_excess is not None else None)
+                    keep_all_excess=as_written(step, pricing, primals))
 
 
 def plan(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | None = None, *, budget: str | int | float,

@@ -193,7 +193,7 @@ class KarmaBackend:
         from karma_fx.passes.gradient_hooks import insert_gradient_hooks
         from karma_fx.passes.loss_head import ChunkedHead, set_aside
         from karma_fx.passes.partition import hand_over
-        from karma_fx.pricing import price
+        from karma_fx.pricing import as_written, price
         from karma_fx.simulate import simulate
 
         session = self.session
@@ -226,21 +226,8 @@ class KarmaBackend:
                                 seconds={"costs": time.perf_counter() - started},
                                 loss_chunk=head.chunk if head is not None and head.rewritten else 0,
                                 tokens=head.tokens if head is not None else 0)
-            if step.keep_all_excess is not None:
-                try:
-                    prepared.keep_all_excess = excess = step.keep_all_excess()
-                    if excess.channels_last and pricing.memory == "measured":
-                        # its convolutions run channels-last: their scratch as they run so
-                        from dataclasses import replace
-
-                        from karma_fx.pricing import channels_last_scratch
-
-                        with set_aside(head):
-                            scratch = channels_last_scratch(step, primals, known=session.measured_ops)
-                        prepared.keep_all_excess = replace(excess, scratch=tuple(sorted(scratch.items())))
-                except Exception:  # noqa: BLE001 - the step as written is then the partition planned
-                    log.debug("Inductor's own partition not priced; a plan that moves nothing keeps the one "
-                              "planned where min-cut peaks higher", exc_info=True)
+            with set_aside(head):
+                prepared.keep_all_excess = as_written(step, pricing, primals, known=session.measured_ops)
             if only_price:
                 region.prepared = prepared
                 raise _Prepared

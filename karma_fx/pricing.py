@@ -298,6 +298,30 @@ def borrowed_scratch(signatures: dict[str, Any], known: MeasuredOps | None
     return scratch, split
 
 
+def as_written(step: Any, pricing: Pricing, primals: list[torch.Tensor] | None, known: MeasuredOps | None = None
+               ) -> Any:
+    """What the step as written (Inductor's own partition) holds above the partition planned
+    (``passes.partition.KeepAllExcess``), its convolutions' scratch measured as they run there, channels-last,
+    where the step's scratch is measured: the same for every door (``karma_fx.plan`` and ``compile``), or a plan
+    printed is not the plan run (a tiny ResNet-50's step as written was priced 9% lower by ``plan``, which
+    counted its convolutions' scratch as traced). None where the step has none (the eager compiler) or it
+    cannot be priced: the step as written is then the partition planned."""
+    from dataclasses import replace
+
+    if step.keep_all_excess is None:
+        return None
+    try:
+        excess = step.keep_all_excess()
+        if excess.channels_last and pricing.memory == "measured" and primals is not None:
+            scratch = channels_last_scratch(step, primals, known=known)
+            excess = replace(excess, scratch=tuple(sorted(scratch.items())))
+        return excess
+    except Exception:  # noqa: BLE001 - the step as written is then the partition planned
+        log.debug("Inductor's own partition not priced; a plan that moves nothing keeps the one planned where "
+                  "min-cut peaks higher", exc_info=True)
+        return None
+
+
 def channels_last_scratch(step: Any, primals: list[torch.Tensor], known: MeasuredOps | None = None
                           ) -> dict[str, int]:
     """The convolutions' scratch of ``step`` run channels-last (``passes.measure.channels_last_scratch``), on
