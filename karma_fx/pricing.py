@@ -179,11 +179,12 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
              ) -> tuple[Any, str, bool]:
     """Run the step for real on ``primals`` (on real memory even inside the partitioner's fake mode): its
     per-node scratch and, when ``time``, its times; how the scratch is known (``Pricing.memory``) and whether
-    the times were measured. Neither can be under a torch.profiler session already running (sessions do not
-    nest: a second one would empty it), nor can a GPU's kernels be timed: the scratch is then what ``known``
-    says of the same ops at other shapes (``borrowed_scratch``, ``"estimated"``), or none (``"tensors"``), and
-    a GPU's times fall back to the roofline; the session measures again at the region's first run outside the
-    profiler (``Session.run``).
+    the times were measured. Neither can be in this process under a torch.profiler session already running
+    (sessions do not nest: a second one would empty it). On a CPU both are then measured in another process
+    (``karma_fx.measure_apart``); where that fails, and on a GPU, the scratch is what ``known`` says of the
+    same ops at other shapes (``borrowed_scratch``, ``"estimated"``), or none (``"tensors"``), a GPU's times
+    fall back to the roofline, and the session measures again at the region's first run outside the profiler
+    (``Session.run``).
 
     ``known``: where every node of the step was measured before (a region traced again with an output
     detached, ``karma_fx.unused_grads``: the same ops, fewer of them), the step is not run: a measuring run
@@ -192,10 +193,11 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
     are added to ``known``."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from karma_fx.measure_apart import scratch_apart
-    from karma_fx.measure_run import ProfilerBusy
+    from karma_fx.measure_apart import measured_apart
+    from karma_fx.measure_run import ProfilerBusy, profiler_running
     from karma_fx.passes.liveness import aliased_base
     from karma_fx.passes.measure import JointCosts, op_signature, pooled, scratch_and_split_costs, time_joint
+    from karma_fx.passes.op_tape import op_tape
 
     nodes = [node for node in step.joint.graph.nodes if node.op == "call_function"]
     signatures = {node.name: op_signature(node) for node in nodes}
@@ -214,25 +216,39 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
     scratch: dict[str, int] = {}
     split: dict[str, tuple[tuple[int, int, float], ...]] = {}
     times: dict[str, float] = {}
+    timed = time
     with _disable_current_modes():
         try:
-            scratch, split = scratch_and_split_costs(step, primals, apart=scratch_apart)
+            if profiler_running() and not any(t.is_cuda for t in primals):
+                # someone's profiler: in another process, where the times carry no profiler's overhead either
+                scratch, split, times = measured_apart(op_tape(step), primals, repeats=1 if time else 0)
+                return _known_now(step, signatures, known, times, scratch, split, time), "measured", time
+            scratch, split = scratch_and_split_costs(step, primals)
             scratch_known = True
-        except ProfilerBusy:
+        except ProfilerBusy as busy:
             scratch_known = False
             scratch, split = borrowed_scratch(signatures, known)
-            log.warning("karma_fx: a torch.profiler session is running while a step is planned; its kernels' "
-                        "scratch cannot be measured under it, so this plan counts %s until the step first runs "
-                        "outside the profiler, where it is measured and planned again",
+            log.warning("karma_fx: %s; so this plan counts %s until the step first runs outside the profiler, "
+                        "where it is measured and planned again", busy,
                         "the scratch its ops had at the shapes measured before" if scratch else "tensors only")
-        timed = time
         if time:
             try:
                 times = time_joint(step, primals, repeats=1, warm_up=not scratch_known)
             except ProfilerBusy:  # a GPU's kernels are timed through the profiler
                 timed = False
+    if not scratch_known:
+        return pooled(step, times, scratch, split), "estimated" if scratch else "tensors", timed
+    return _known_now(step, signatures, known, times, scratch, split, timed), "measured", timed
+
+
+def _known_now(step: Any, signatures: dict[str, Any], known: MeasuredOps | None, times: dict[str, float],
+               scratch: dict[str, int], split: dict[str, tuple[tuple[int, int, float], ...]], timed: bool) -> Any:
+    """The step's costs pooled (``passes.measure.pooled``), and what each of its ops measured added to
+    ``known``."""
+    from karma_fx.passes.measure import pooled
+
     measured = pooled(step, times, scratch, split)
-    if known is not None and scratch_known:
+    if known is not None:
         for name, sig in signatures.items():
             t = measured.op_time_us.get(name) if timed else None
             if timed and t is None:
@@ -241,7 +257,7 @@ def _measure(step: Any, primals: list[torch.Tensor], *, time: bool, known: Measu
             # written is measured after its chunked-head twin; the larger of the two, a cold first run's, put a
             # tiny GPT-2's retrace above the budget its first step fitted under)
             known[sig] = (t, measured.scratch_bytes.get(name, 0), measured.split_costs.get(name, ()))
-    return measured, "measured" if scratch_known else "estimated" if scratch else "tensors", timed
+    return measured
 
 
 def borrowed_scratch(signatures: dict[str, Any], known: MeasuredOps | None
@@ -312,14 +328,18 @@ def as_written(step: Any, pricing: Pricing, primals: list[torch.Tensor] | None, 
         return None
     try:
         excess = step.keep_all_excess()
-        if excess.channels_last and pricing.memory == "measured" and primals is not None:
-            scratch = channels_last_scratch(step, primals, known=known)
-            excess = replace(excess, scratch=tuple(sorted(scratch.items())))
-        return excess
     except Exception:  # noqa: BLE001 - the step as written is then the partition planned
         log.debug("Inductor's own partition not priced; a plan that moves nothing keeps the one planned where "
                   "min-cut peaks higher", exc_info=True)
         return None
+    if excess.channels_last and pricing.memory == "measured" and primals is not None:
+        try:
+            scratch = channels_last_scratch(step, primals, known=known)
+        except Exception:  # noqa: BLE001 - priced with the convolutions' scratch as traced
+            log.debug("the convolutions' channels-last scratch not measured", exc_info=True)
+            return excess
+        excess = replace(excess, scratch=tuple(sorted(scratch.items())))
+    return excess
 
 
 def channels_last_scratch(step: Any, primals: list[torch.Tensor], known: MeasuredOps | None = None

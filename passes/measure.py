@@ -268,15 +268,21 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
 
     The RNG state is restored afterwards, so timing a step changes no dropout mask of the training that
     follows; the joint graph is functional, so no parameter or buffer is updated."""
+    if any(t.is_cuda for t in primals):
+        return _cuda_kernel_times(step, primals, repeats, warm_up)
+    return tape_times(op_tape(step), primals, repeats, warm_up)
+
+
+def tape_times(tape: OpTape, primals: list[torch.Tensor], repeats: int = 3, warm_up: bool = True
+               ) -> dict[str, float]:
+    """``time_joint`` on a CPU, of a step written as a tape (``passes.op_tape``)."""
     import gc
     import time
 
-    if any(t.is_cuda for t in primals):
-        return _cuda_kernel_times(step, primals, repeats, warm_up)
     samples: dict[str, list[float]] = {}
 
     @contextlib.contextmanager
-    def timed(node: fx.Node) -> Iterator[None]:
+    def timed(node: TapeOp) -> Iterator[None]:
         begin = time.perf_counter()
         yield
         samples.setdefault(node.name, []).append((time.perf_counter() - begin) * 1e6)
@@ -290,9 +296,9 @@ def time_joint(step: CapturedStep, primals: list[torch.Tensor], repeats: int = 3
     try:
         with torch.random.fork_rng(devices=[]):
             if warm_up:
-                _run_joint(step, primals, lambda node: contextlib.nullcontext())
+                run_tape(tape, primals, lambda node: contextlib.nullcontext())
             for _ in range(repeats):
-                _run_joint(step, primals, timed)
+                run_tape(tape, primals, timed)
     finally:
         if enabled:
             gc.enable()

@@ -177,8 +177,8 @@ def test_a_step_priced_again_from_its_measurements_is_not_run_again():
     step = capture(model, (x,))
     primals = measure.real_primals(step, model, (x,), {})
     runs = []
-    original = measure._run_joint
-    measure._run_joint = lambda *a, **k: (runs.append(1), original(*a, **k))[1]
+    original = measure.run_tape  # every measuring run (times, scratch) goes through it
+    measure.run_tape = lambda *a, **k: (runs.append(1), original(*a, **k))[1]
     try:
         known: dict = {}
         pricing = choose(None, None, runs_here=True)
@@ -194,7 +194,7 @@ def test_a_step_priced_again_from_its_measurements_is_not_run_again():
         price(other, build_problem(other), pricing, measure.real_primals(other, wider, (x,), {}), known=known)
         assert len(runs) > measured
     finally:
-        measure._run_joint = original
+        measure.run_tape = original
 
 
 def test_a_new_batch_under_someones_profiler_borrows_the_scratch_its_ops_had_at_the_old_one():
@@ -238,6 +238,7 @@ def test_a_batch_change_compiled_under_someones_profiler_holds_the_budget(scratc
     if scratch == "borrowed":
         def fails(*args, **kwargs):
             raise ProfilerBusy("no other process here")
+        monkeypatch.setattr(karma_fx.measure_apart, "measured_apart", fails)
         monkeypatch.setattr(karma_fx.measure_apart, "scratch_apart", fails)
     torch.manual_seed(0)
     model = SmallCNN()
@@ -261,8 +262,8 @@ def test_a_step_first_compiled_under_someones_profiler_measures_its_scratch_in_a
     """A loop that profiles every step from the first: the step compiles inside the caller's profiler, where
     its kernels' scratch cannot be read in this process (profiler sessions do not nest) and nothing was
     measured before to borrow from. Planned with the tensors alone, this CNN's steps at 0.8 of its peak
-    measured 3.375 MiB against a 2.41 MiB budget (+40%), every step. Measured in another process, the plan is
-    the one made without a profiler (its budget, and its peak within 1%), and the steps hold it."""
+    measured 3.375 MiB against a 2.41 MiB budget (+40%), every step, 0.98 MiB above the plan. Measured in
+    another process, the budget is the one made without a profiler, and the steps hold the plan."""
     import torch.nn.functional as F
 
     from karma_fx.measure_run import AllocatorPeak
@@ -287,10 +288,9 @@ def test_a_step_first_compiled_under_someones_profiler_measures_its_scratch_in_a
     step, peaks = trained(profiled=True)
     assert "measured times and scratch" in step.plan.device, step.plan.device
     assert peaks[-1] <= step.plan.budget_bytes, (peaks, step.plan.budget_bytes)
+    assert peaks[-1] <= step.predicted_peak_bytes * 1.01, (peaks, step.predicted_peak_bytes)
     unprofiled, _ = trained(profiled=False)
-    assert step.plan.budget_bytes == unprofiled.plan.budget_bytes
-    # (a fresh process's kernels may allocate a few bytes otherwise: 320 of 3 MB here)
-    assert abs(step.predicted_peak_bytes - unprofiled.predicted_peak_bytes) <= 0.01 * unprofiled.predicted_peak_bytes
+    assert step.plan.budget_bytes == unprofiled.plan.budget_bytes  # a fraction of the same unplanned step
 
 
 def test_a_step_written_as_a_tape_crosses_to_another_process():
@@ -343,3 +343,36 @@ def test_a_step_written_as_a_tape_crosses_to_another_process():
             (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
     labels = torch.tensor([3, 1])
     assert torch.equal(_described(labels), labels)
+
+
+def test_an_op_only_the_callers_module_registers_fails_apart_as_a_busy_profiler():
+    """The child imports karma's and Inductor's op modules, never the caller's: a step holding an op that only
+    a module of the caller's registers cannot be measured there, and says so as ``ProfilerBusy`` (which the
+    planner falls back from), naming the op."""
+    import torch.nn as nn
+
+    from karma_fx.measure_apart import measured_apart
+    from karma_fx.measure_run import ProfilerBusy
+    from karma_fx.passes import measure
+    from karma_fx.passes.capture import capture
+    from karma_fx.passes.op_tape import op_tape
+
+    @torch.library.custom_op("karmatest::doubled", mutates_args=())
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    doubled.register_fake(lambda x: torch.empty_like(x))
+    doubled.register_autograd(lambda ctx, grad: grad * 2)
+
+    class Doubling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.karmatest.doubled(self.fc(x)).sum()
+
+    model, x = Doubling(), torch.randn(2, 4)
+    step = capture(model, (x,))
+    with pytest.raises(ProfilerBusy, match="doubled"):
+        measured_apart(op_tape(step), measure.real_primals(step, model, (x,), {}))
