@@ -89,14 +89,12 @@ def _measured_apart(tape: OpTape, primals: list[Any], pieces: bool, instead: dic
         "repeats": repeats,
         "modules": [m for m in OP_MODULES if m in sys.modules],
     }
-    import karma_fx
-
-    root = str(Path(karma_fx.__file__).resolve().parent.parent)
+    package = Path(__file__).resolve().parent  # this karma_fx, which the child must import
     with tempfile.TemporaryDirectory(prefix="karma_fx_measure_") as folder:
         given, taken = Path(folder) / "step.pickle", Path(folder) / "measured.pickle"
         given.write_bytes(pickle.dumps(payload))
-        done = subprocess.run([sys.executable, "-c", _BOOTSTRAP, root, str(given), str(taken),
-                               str(Path(karma_fx.__file__).resolve())],
+        done = subprocess.run([sys.executable, "-c", _BOOTSTRAP, str(package.parent), str(given), str(taken),
+                               str(package)],
                               cwd=folder, env=dict(os.environ), stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
         if done.returncode != 0 or not taken.exists():
@@ -140,14 +138,13 @@ def _op(target: Any) -> Any:
 
 def _child(given: str, taken: str, expected: str) -> None:
     """The child process: measure the tape in ``given`` and write ``("ok", (scratch, split, times))`` or
-    ``("error", why)`` to ``taken``; ``expected``: the caller's karma_fx, which must be this one."""
+    ``("error", why)`` to ``taken``; ``expected``: the caller's karma_fx folder, which must be this one."""
     import importlib
 
-    import karma_fx
-
     try:
-        if Path(karma_fx.__file__).resolve() != Path(expected):
-            raise ImportError(f"another karma_fx ({karma_fx.__file__}) than the caller's ({expected})")
+        here = Path(__file__).resolve().parent
+        if here != Path(expected):
+            raise ImportError(f"another karma_fx ({here}) than the caller's ({expected})")
         from karma_fx.passes.measure import tape_scratch_and_split_costs, tape_times
 
         payload = pickle.loads(Path(given).read_bytes())
