@@ -131,15 +131,6 @@ def _live_storage_bytes(values: Any) -> int:
     return sum(seen.values())
 
 
-def _run_joint(step: CapturedStep, primals: list[torch.Tensor], around: Callable[[TapeOp], Any], *,
-               spill: bool = False, after: Callable[[TapeOp, tuple, dict], None] | None = None,
-               instead: dict[Any, Callable] | None = None) -> None:
-    """Run ``step.joint`` once for real, op by op as the step runs them (``passes.op_tape.run_tape``, which
-    says how). Called from inside AOTAutograd's partitioner too, where a fake-tensor mode is active: it runs on
-    the real tensors."""
-    run_tape(op_tape(step), primals, around, spill=spill, after=after, instead=instead)
-
-
 _NODE_TAG = "karma_fx.node:"
 """Prefix of the ``record_function`` range around each node, by which profiler events are tied to nodes."""
 
@@ -319,13 +310,14 @@ def _cuda_kernel_times(step: CapturedStep, primals: list[torch.Tensor], repeats:
 
     from karma_fx.measure_run import allocator_events
 
+    tape = op_tape(step)
     with torch.random.fork_rng(devices=[t.device for t in primals if t.is_cuda][:1]):
         if warm_up:  # handles, autotuning
-            _run_joint(step, primals, lambda node: contextlib.nullcontext(), spill=True)
+            run_tape(tape, primals, lambda node: contextlib.nullcontext(), spill=True)
         torch.cuda.synchronize()
         with allocator_events() as prof:
             for _ in range(repeats):
-                _run_joint(step, primals, lambda node: record_function(_NODE_TAG + node.name), spill=True)
+                run_tape(tape, primals, lambda node: record_function(_NODE_TAG + node.name), spill=True)
             torch.cuda.synchronize()
     events = prof.profiler.kineto_results.events()
     ranges = sorted((e.start_ns(), e.end_ns(), e.name()[len(_NODE_TAG):]) for e in events
