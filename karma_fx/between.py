@@ -42,6 +42,17 @@ def loss_head_guess(view: Run) -> int:
     return LOSS_HEAD_GUESS * sum(b for _, b, saved in view.makes if not saved)
 
 
+def _holders(ref: Any) -> int:
+    """How many tensors (and storage objects) hold the storage ``ref`` refers to. An output the backward reads
+    stays alive through its saved tensor whether or not the caller holds it: it is let go where fewer hold it
+    when the backward begins than when the run returned it (the returned tensor gone, and no view of it made
+    since; a view holds its base too). Where the count cannot be read, as many as ever: held."""
+    try:
+        return int(torch._C._storage_Use_Count(ref.cdata))
+    except (AttributeError, RuntimeError, TypeError):
+        return 1 << 30
+
+
 class Between:
     """What is known, and being learnt, about the code between one session's runs."""
 
@@ -53,7 +64,7 @@ class Between:
         self.remeasured = False
         """Something was measured since the session last chose its plans: choose again, with it."""
         self._meter: Any = None
-        self._outputs: list[tuple[int, Any]] = []
+        self._outputs: list[tuple[int, Any, int]] = []
 
     def unknown(self, signature: Signature) -> bool:
         """Whether the code after some run of ``signature`` is still to be measured."""
@@ -122,7 +133,8 @@ class Between:
 
             for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
                 if isinstance(t, torch.Tensor):
-                    self._outputs.append((o, StorageWeakRef(t.untyped_storage())))
+                    ref = StorageWeakRef(t.untyped_storage())
+                    self._outputs.append((o, ref, _holders(ref)))
 
     def backward_began(self, signature: Signature) -> None:
         """The step's backward begins after its run ``len(signature) - 1``: the loss head ends here, and which
@@ -130,4 +142,5 @@ class Between:
         if self._meter is not None and signature:
             self._meter.end(len(signature) - 1)
         if signature and self._outputs:
-            self.kept[signature] = frozenset(o for o, ref in self._outputs if not ref.expired())
+            self.kept[signature] = frozenset(o for o, ref, held in self._outputs
+                                             if not ref.expired() and _holders(ref) >= held)

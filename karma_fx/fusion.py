@@ -93,7 +93,7 @@ from karma_fx.passes.fusible import (CONCATENATIONS, SCATTER_OPS, SEEDED_LOOP_OP
                                      addmm_adds, fusible_ops, inlined_ops, inlined_past_views, is_pointwise,
                                      is_reduction, layout_optimized, stitched, with_channels_last_copies,
                                      channels_last_nodes)
-from karma_fx.problem import Problem
+from karma_fx.problem import Problem, with_outputs_released
 
 if TYPE_CHECKING:
     from karma_fx.costs import Costs
@@ -771,6 +771,9 @@ class PartitionPeaks:
     A backward op the partitioner recomputes is named as the op it copies."""
     channels_last: bool = False
     """Counted with Inductor's layout optimization (``layout_optimization`` and a forward it applies to)."""
+    released: tuple[tuple[str, bool, int], ...] = ()
+    """``profile`` where the caller lets go of the step's outputs before the backward, which then frees those
+    it reads after reading them (``problem.with_outputs_released``); empty where the backward reads none."""
 
     def no_more_than(self, other: "PartitionPeaks") -> bool:
         """Holds no more than ``other`` in any phase, and saves no input or output it does not save."""
@@ -804,11 +807,17 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     problem = inductor_problem(build_problem(step), fusible_ops(joint.graph), inlined_ops(joint.graph),
                                saved_in_place=as_compiled, past_views=inlined_past_views(joint.graph),
                                addmm_adds=addmm_adds(joint.graph))
-    timeline = simulate(problem, (), estimate_costs(problem), detail=False)
-    memory = [b for _, b in timeline.memory]
-    split = timeline.forward_items
-    if gradient_copy and len(memory) > split:
-        memory[-1] += gradient_copy
+
+    def memory_of(counted: Problem) -> tuple[list[int], int]:
+        timeline = simulate(counted, (), estimate_costs(counted), detail=False)
+        memory = [b for _, b in timeline.memory]
+        if gradient_copy and len(memory) > timeline.forward_items:
+            memory[-1] += gradient_copy
+        return memory, timeline.forward_items
+
+    memory, split = memory_of(problem)
+    released = with_outputs_released(problem)
+    memory_released = memory_of(released)[0] if released is not None else []
 
     def tensor(node: Any) -> Any:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
@@ -833,8 +842,11 @@ def partition_peaks(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
         else:
             storages[key] = val.untyped_storage().nbytes()
     source = {n.name: n.meta.get(STITCHED_FROM, n.name) for n in joint.graph.nodes}
-    profile = (tuple((source.get(op.name, op.name), i < split, b) for i, (op, b) in enumerate(zip(problem.ops, memory)))
-               if len(memory) == len(problem.ops) else ())
+
+    def profile_of(memory: list[int]) -> tuple[tuple[str, bool, int], ...]:
+        return (tuple((source.get(op.name, op.name), i < split, b)
+                      for i, (op, b) in enumerate(zip(problem.ops, memory))) if len(memory) == len(problem.ops) else ())
+
     return PartitionPeaks(forward=max(memory[:split], default=0), backward=max(memory[split:], default=0),
-                          saved=sum(storages.values()), saved_edges=frozenset(saved_edges), profile=profile,
-                          channels_last=channels_last)
+                          saved=sum(storages.values()), saved_edges=frozenset(saved_edges), profile=profile_of(memory),
+                          channels_last=channels_last, released=profile_of(memory_released))

@@ -33,7 +33,7 @@ import functools
 import itertools
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -128,9 +128,13 @@ class KeepExcess:
     scratch: tuple[tuple[str, int], ...] = ()
     """Where it does, its convolutions' scratch measured so (``passes.measure.channels_last_scratch``), in
     place of the traced layout's in the step as written."""
+    as_written_released: tuple[tuple[str, bool, int], ...] = ()
+    planned_released: tuple[tuple[str, bool, int], ...] = ()
+    """``as_written`` and ``planned`` where the caller lets go of the step's outputs before the backward
+    (``fusion.PartitionPeaks.released``; empty: as held)."""
 
 
-def phase_excess(excess: KeepExcess, problem: Any) -> tuple[int, int]:
+def phase_excess(excess: KeepExcess, problem: Any, released: bool = False) -> tuple[int, int]:
     """What to add to the forward and to the backward peak of ``problem`` (the partition planned, as priced: with
     the kernels' measured scratch, which ``partition_peaks`` does not count) for the step as written: per phase,
     the difference of the two partitions' peaks with each op's scratch added where it runs. The peaks may sit
@@ -138,7 +142,11 @@ def phase_excess(excess: KeepExcess, problem: Any) -> tuple[int, int]:
     difference without scratch, and ResNet-50's convolutions (0.14 MiB of scratch each) 12% over it, where the
     step as written peaks at a convolution holding channels-last copies the planned one does not. Without the
     profiles a positive difference is added as it is and a negative one only less the largest scratch of the
-    phase (the step as written holds at most min-cut's peak plus that scratch)."""
+    phase (the step as written holds at most min-cut's peak plus that scratch). ``released``: where the caller
+    lets go of the step's outputs before the backward (``KeepExcess.as_written_released``)."""
+    if released:
+        excess = replace(excess, as_written=excess.as_written_released or excess.as_written,
+                         planned=excess.planned_released or excess.planned)
     if excess.as_written and excess.planned:
         sizes = {s.name[:-len(":scratch")]: s.size_bytes for s in problem.storages if s.name.endswith(":scratch")}
 
@@ -189,7 +197,8 @@ def min_cut_excess(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> 
     ours = partition_peaks(*default, num_fwd_outputs)
     return KeepExcess(forward=theirs.forward - ours.forward, backward=theirs.backward - ours.backward,
                       saved=theirs.saved - ours.saved, saved_edges=theirs.saved_edges,
-                      as_written=theirs.profile, planned=ours.profile, channels_last=theirs.channels_last)
+                      as_written=theirs.profile, planned=ours.profile, channels_last=theirs.channels_last,
+                      as_written_released=theirs.released, planned_released=ours.released)
 
 
 def _min_cut(joint: fx.GraphModule, joint_inputs: Any, **options: Any) -> tuple[fx.GraphModule, fx.GraphModule]:

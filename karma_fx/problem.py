@@ -203,3 +203,19 @@ def with_scratch(problem: Problem, scratch: dict[str, int]) -> Problem:
     storages = problem.storages + tuple(Storage(f"{name}:scratch", size, "temp", problem.op_index(name), ())
                                         for name, size in extra.items())
     return replace(problem, ops=ops, storages=storages, _index={}, _op_index={})
+
+
+def with_outputs_released(problem: Problem, names: "set[str] | frozenset[str] | None" = None) -> Problem | None:
+    """``problem`` with the forward's outputs that its backward reads (a language model's logits, saved for the
+    loss's gradient; among ``names`` where given) no longer held to the end of the step, or ``None`` where there
+    are none: what the step holds where the caller has let them go before the backward (``loss_fn(model(x))
+    .backward()``, HuggingFace's ``Trainer``), so that a compiled backward frees them once it has read them.
+    Counted as held, GPT-2's step as written (tiny, batch 8x128) was predicted 4.8% above the allocator's peak."""
+    n = problem.num_fwd_ops
+    released = {s.name for s in problem.storages
+                if s.is_output and s.kind in ("activation", "temp") and s.producer is not None and s.producer < n
+                and any(u >= n for u in s.users) and (names is None or s.name in names)}
+    if not released:
+        return None
+    storages = tuple(replace(s, is_output=False) if s.name in released else s for s in problem.storages)
+    return replace(problem, storages=storages, _index={}, _op_index={})

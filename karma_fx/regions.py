@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from karma_fx.plan import GradToHost, Offload, Plan, Recompute
-from karma_fx.problem import Problem
+from karma_fx.problem import Problem, with_outputs_released
 from karma_fx.simulate import Timeline
 from karma_fx.wire import as_run
 
@@ -69,6 +69,16 @@ class Footprint:
     """Per forward output (``Boundary.outputs`` order): bytes, and whether its backward reads it."""
     grad_bytes: int = 0
     """Its parameters' gradients, alive from its backward to the end of the step."""
+    bwd_peak_released_bytes: int | None = None
+    """Highest bytes over its backward where the caller has let go of every output before the backward began
+    (``released_outputs``): an output its backward reads is then freed after its last reader, as a compiled
+    backward frees the tensors it saved. ``None``: as ``bwd_peak_bytes``."""
+
+    def bwd_peak_of(self, released: bool) -> int:
+        """The backward's peak, with the outputs released or held by the caller through it."""
+        if released and self.bwd_peak_released_bytes is not None:
+            return self.bwd_peak_released_bytes
+        return self.bwd_peak_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -81,9 +91,17 @@ class Footprint:
                 + sum(b for b, saved in self.outputs if saved))
 
 
+def released_outputs(problem: Problem, boundary: Boundary) -> Problem | None:
+    """``problem`` with the region's outputs its backward reads released by the caller
+    (``problem.with_outputs_released``), for ``footprint``'s ``released``; ``None`` where it has none."""
+    names = {name for name in boundary.outputs if name is not None and name not in boundary.inputs}
+    return with_outputs_released(problem, names)
+
+
 def footprint(problem: Problem, timeline: Timeline, plan: Plan, *, offload_weights: bool = False,
-              boundary: Boundary = Boundary()) -> Footprint:
-    """The footprint of ``plan`` on ``problem`` (``timeline`` is its simulation)."""
+              boundary: Boundary = Boundary(), released: Timeline | None = None) -> Footprint:
+    """The footprint of ``plan`` on ``problem`` (``timeline`` is its simulation; ``released``, where given,
+    its simulation on ``released_outputs(problem, boundary)``)."""
     problem = as_run(problem, plan.decisions)  # weights' casts and widened gradients made on the host
     own_kinds = ("buffer",) if offload_weights else ("param", "buffer")
     own = sum(s.size_bytes for s in problem.storages if s.kind in own_kinds)
@@ -127,8 +145,11 @@ def footprint(problem: Problem, timeline: Timeline, plan: Plan, *, offload_weigh
     split = timeline.forward_items if timeline.memory else 0
     fwd = max(memory[:split], default=0)
     bwd = max(memory[split:], default=0)
+    bwd_released = None
+    if released is not None and released.memory:
+        bwd_released = min(bwd, max((b for _, b in released.memory[released.forward_items:]), default=0))
     return Footprint(fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, own_bytes=own, internal_held_bytes=internal,
-                     inputs=inputs, outputs=tuple(outputs), grad_bytes=grads)
+                     inputs=inputs, outputs=tuple(outputs), grad_bytes=grads, bwd_peak_released_bytes=bwd_released)
 
 
 @dataclass(frozen=True)
@@ -251,11 +272,14 @@ def _phases(step: Step) -> list[Phase]:
                    + (last_out if k < last else 0))
         # of its own edges the step still holds only what its backward reads (the last run's outputs: the caller)
         gone = sum(b for _, b, saved in r.reads if not saved)
+        released = False
         if k < last or not step.last_outputs_held:
             gone += sum(b for _, b, saved in r.makes if not saved)
-        else:  # the last run's outputs the caller let go before the backward
+        else:  # the last run's outputs the caller let go before the backward: those it reads, after it reads them
             gone += sum(b for o, (_, b, saved) in enumerate(r.makes) if not saved and not r.kept_by_caller(o))
-        out.append(Phase(k, "backward", context + r.fp.bwd_peak_bytes - gone))
+            released = r.caller_keeps is not None and not any(
+                saved and b and r.kept_by_caller(o) for o, (_, b, saved) in enumerate(r.makes))
+        out.append(Phase(k, "backward", context + r.fp.bwd_peak_of(released) - gone))
         if r.grad_ids is None or not left or r.grad_ids.isdisjoint(left):
             new_grads_after += r.new_grad_bytes
         else:  # only those no later run's backward left already (the others are added into them)

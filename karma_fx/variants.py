@@ -21,7 +21,7 @@ from karma_fx.budget import Budget, format_bytes
 from karma_fx.config import KarmaConfig
 from karma_fx.errors import KarmaError
 from karma_fx.plan import Plan
-from karma_fx.regions import Boundary, Footprint, footprint
+from karma_fx.regions import Boundary, Footprint, footprint, released_outputs
 
 log = logging.getLogger("karma_fx.session")
 
@@ -173,6 +173,16 @@ def _strategy_name(config: KarmaConfig, otherwise: str) -> str:
     return s if isinstance(s, str) else getattr(s, "name", otherwise)
 
 
+def _released(region: Region, plan: Plan) -> Any:
+    """``plan`` replayed where the caller lets go of the region's outputs before its backward
+    (``regions.released_outputs``), or ``None`` where no output is read by the backward."""
+    from karma_fx.simulate import simulate
+
+    p = region.prepared
+    problem = released_outputs(p.problem, region.boundary)
+    return None if problem is None else simulate(problem, plan.decisions, p.costs, detail=False)
+
+
 def judged(region: Region, raw: Plan, config: KarmaConfig, budget_bytes: int | None) -> Variant:
     """``raw`` replayed on the region's problem (``Prepared.judge``), with its footprint."""
     p = region.prepared
@@ -181,7 +191,7 @@ def judged(region: Region, raw: Plan, config: KarmaConfig, budget_bytes: int | N
     if not plan.budget_bytes:  # a plan made for no budget in particular: the one in force
         plan = plan.replace(budget_bytes=budget_bytes or plan.peak_bytes or 0)
     return Variant(plan=plan, fp=footprint(p.problem, timeline, plan, offload_weights=config.offload_weights,
-                                           boundary=region.boundary))
+                                           boundary=region.boundary, released=_released(region, plan)))
 
 
 def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) -> Variant:
@@ -199,8 +209,12 @@ def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) 
 
     mutated = sum(1 for k in region.kinds if k == "buffer")
     fwd, bwd = phase_excess(excess, region.prepared.problem)
+    released = None  # the caller's outputs let go before the backward: where Inductor's partition saves them
+    if excess.as_written_released or excess.planned_released:
+        released = variant.fp.bwd_peak_of(True) + phase_excess(excess, region.prepared.problem, released=True)[1]
     fp = replace(variant.fp, fwd_peak_bytes=variant.fp.fwd_peak_bytes + fwd,
                  bwd_peak_bytes=variant.fp.bwd_peak_bytes + bwd,
+                 bwd_peak_released_bytes=released,
                  internal_held_bytes=max(0, variant.fp.internal_held_bytes + excess.saved),
                  inputs=tuple((b, saved or ("input", i) in excess.saved_edges)
                               for i, (b, saved) in enumerate(variant.fp.inputs)),
@@ -252,4 +266,4 @@ def planned_variant(region: Region, config: KarmaConfig, target: int, budget_byt
             cache.put(key, planned.plan)
     plan = _against_the_step_as_written(region, planned.plan.replace(budget_bytes=budget_bytes or target))
     return Variant(plan=plan, fp=footprint(p.problem, planned.timeline, plan, offload_weights=config.offload_weights,
-                                           boundary=region.boundary))
+                                           boundary=region.boundary, released=_released(region, plan)))

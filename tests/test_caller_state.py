@@ -90,3 +90,43 @@ def test_state_loaded_or_a_group_added_later_counts_before_the_next_update():
     grown.add_param_group({"params": list(model.parameters())})
     grown.step()
     assert watch.bytes_on("cpu") == 2 * weights + sum(p.numel() * p.element_size() for p in other.parameters())
+
+
+class _ExpHead(nn.Module):
+    """Returns ``exp`` of a projection: its backward reads the output it returns (saved for the gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 1024), nn.Linear(1024, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).exp()
+
+
+@pytest.mark.parametrize("caller", ["lets go", "holds", "holds a view"])
+def test_an_output_the_backward_reads_counts_as_the_caller_holds_it(caller):
+    """A returned tensor the backward reads (a language model's logits) is alive when the backward begins
+    whatever the caller does; let go, the compiled backward frees it after reading it, and the step peaks one
+    output lower than with it held (a view holds it too). The prediction follows what the caller did."""
+    from karma_fx.measure_run import measure_step_peak
+
+    torch.manual_seed(0)
+    model, x = _ExpHead(), torch.randn(256, 256)
+    kept: list[torch.Tensor] = []
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        if caller == "holds":
+            kept.append(out)
+        elif caller == "holds a view":
+            kept.append(out[:, :8])
+        return out.sum()
+
+    step = karma_fx.compile(model, budget=1.0)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        kept.clear()
+        loss_fn(step(x)).backward()
+    kept.clear()
+    live = measure_step_peak(model, step, (x,), {}, loss_fn)
+    predicted = step.predicted_peak_bytes
+    assert abs(predicted - live.peak_bytes) <= 0.002 * live.peak_bytes, (caller, predicted, live.peak_bytes)

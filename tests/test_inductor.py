@@ -1808,3 +1808,36 @@ def test_the_step_as_written_writes_a_saved_softmax_over_its_exponentials():
     steady(compiled, model, args, kwargs)
     assert not compiled.plan.decisions
     assert_measured_within_plan(model, compiled, args, kwargs, below=0.02)
+
+
+class _LogitsLM(torch.nn.Module):
+    """A language model's head: it returns its logits beside the loss, and Inductor's partition saves them
+    for the loss's gradient."""
+
+    def __init__(self, vocab: int = 512, d: int = 64) -> None:
+        super().__init__()
+        self.emb, self.mix, self.head = (torch.nn.Embedding(vocab, d), torch.nn.Linear(d, d),
+                                         torch.nn.Linear(d, vocab))
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.mix(self.emb(ids))))
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return loss, logits
+
+
+def test_logits_the_caller_lets_go_are_freed_by_inductors_backward_as_predicted():
+    """``loss_fn(step(...)).backward()`` lets the logits go before the backward; Inductor's step as written
+    saved them, and its backward frees them once the loss's gradient has read them. Counted as held to the
+    end, the step was predicted 7.6% above the allocator's peak; now to within 0.1%."""
+    from karma_fx.measure_run import measure_step_peak
+
+    torch.manual_seed(0)
+    model = _LogitsLM()
+    ids, labels = torch.randint(0, 512, (8, 128)), torch.randint(0, 512, (8, 128))
+    step = karma_fx.compile(model, budget=1.0, compiler="inductor")
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        step(ids, labels)[0].backward()
+    live = measure_step_peak(model, step, (ids, labels), {}, lambda out: out[0])
+    assert abs(step.predicted_peak_bytes - live.peak_bytes) <= 0.001 * live.peak_bytes, (
+        step.predicted_peak_bytes, live.peak_bytes)

@@ -94,6 +94,25 @@ def test_the_caller_letting_outputs_go_before_the_backward():
     assert step_peak(0, [kept]) - step_peak(0, [dropped]) == 400
 
 
+def test_a_saved_output_the_caller_let_go_is_freed_where_its_backward_has_read_it():
+    """The logits a loss's gradient reads: held by the caller, the backward's peak is the one counted with them
+    held (900); let go (``caller_keeps`` without them), the one counted with them freed after their last
+    reader (700); not known yet, or another saved output still held, the held one."""
+    logits, loss = ("out", 0, 1), ("out", 0, 0)
+
+    def run(keeps):
+        return Run(fp=Footprint(fwd_peak_bytes=100, bwd_peak_bytes=900, own_bytes=0, internal_held_bytes=0,
+                                bwd_peak_released_bytes=700),
+                   own_bytes=0, makes=((loss, 4, False), (logits, 400, True)), caller_keeps=keeps)
+
+    assert step_peak(0, [run(frozenset({0}))]) == 700
+    assert step_peak(0, [run(frozenset({0, 1}))]) == 900
+    assert step_peak(0, [run(None)]) == 900
+    # in a run before the last, its outputs are later runs' inputs: counted as before
+    later = Run(fp=fp(1, 1), own_bytes=0, reads=((logits, 400, False),), makes=((("out", 1, 0), 4, False),))
+    assert phases(Step(0, (run(frozenset()), later)))[(0, "backward")] == 900
+
+
 def test_breaks_pin_what_a_backward_reads_across_them():
     h, g = ("out", 0, 0), ("out", 1, 0)
     runs = [Run(fp=fp(1, 1), own_bytes=0, makes=((h, 64, True),)),
