@@ -23,7 +23,7 @@ names: the same arithmetic as the check, so the total is tight). All of it is pl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable, Mapping, Sequence
 
 from karma_fx.plan import GradToHost, Offload, Plan, Recompute
@@ -178,6 +178,23 @@ class Run:
     caller_keeps: frozenset[int] | None = None
     """Which of its outputs the caller still held when the step's backward began, where this run ended the
     step's forward and that was seen (``None``: not known, all of them)."""
+    read_positions: tuple[int, ...] = ()
+    """Per entry of ``reads``: which of the region's inputs it is (``Footprint.inputs``), for ``with_fp``."""
+
+    def with_fp(self, fp: Footprint) -> "Run":
+        """This run under another plan of its region (footprint ``fp``), its inputs and outputs read by the
+        backward as that plan saves them. A plan may save what another does not: Inductor's own partition saves
+        a language model's logits, a plan with the loss head chunked does not. Kept from the plan the run was
+        first seen with, a chunked plan's backward counted the logits the caller had let go held through it
+        (a small LM head's planned step: 20% over the allocator's peak)."""
+        reads = self.reads
+        if len(self.read_positions) == len(reads):
+            reads = tuple((i, b, fp.inputs[k][1] if k < len(fp.inputs) else saved)
+                          for (i, b, saved), k in zip(reads, self.read_positions))
+        makes = self.makes
+        if len(makes) == len(fp.outputs):
+            makes = tuple((i, b, fp.outputs[o][1]) for o, (i, b, _) in enumerate(makes))
+        return replace(self, fp=fp, reads=reads, makes=makes)
 
     def kept_by_caller(self, position: int) -> bool:
         return self.caller_keeps is None or position in self.caller_keeps

@@ -457,7 +457,7 @@ class Session:
         region.budget_bytes = self.budget_bytes or 0
         view = self._pending_view
         assert view is not None
-        self._calls.append(_Call(region, variant, view if view.fp is variant.fp else replace(view, fp=variant.fp)))
+        self._calls.append(_Call(region, variant, view if view.fp is variant.fp else view.with_fp(variant.fp)))
         if self.pipeline is not None and variant.grad_params:
             announced = [args[i] for i in variant.grad_params]
             self.pipeline.expect(announced, args)
@@ -496,7 +496,7 @@ class Session:
             runs, whole = self._this_unplanned
             if runs:
                 if runs != len(self._calls):  # counted with runs that did not come (a step before had more)
-                    whole = self._sequence_peak([replace(c.view, fp=self._keep(c.region).fp) for c in self._calls],
+                    whole = self._sequence_peak([c.view.with_fp(self._keep(c.region).fp) for c in self._calls],
                                                 self._calls, margin=False)
                     self._between.remeasured = True  # and its budget with them: the next step chooses again
                 if not self._between.unknown(self._signature()):
@@ -600,7 +600,7 @@ class Session:
                     grad_sizes = weights.bytes_of
                     new_grads = weights.trainable_bytes if len(grad_ids) == len(weights.trainable_ids) else \
                         sum(grad_sizes[i] for i in grad_ids)
-        reads = []
+        reads, positions = [], []
         inputs = fp.inputs
         for i in weights.others:
             t = args[i]
@@ -615,11 +615,12 @@ class Session:
                 continue
             saved = inputs[i][1] if i < len(inputs) else True
             reads.append((made[0], made[1], saved))
+            positions.append(i)
         makes = tuple((("out", k, o), b, saved) for o, (b, saved) in enumerate(fp.outputs))
         kept = self._between.caller_keeps(self._signature() + (region.index,))
         return Run(fp=fp, own_bytes=sum(own.values()), reads=tuple(reads), makes=makes, new_grad_bytes=new_grads,
                    grad_ids=grad_ids, grad_sizes=grad_sizes,
-                   region=region.index, caller_keeps=kept)
+                   region=region.index, caller_keeps=kept, read_positions=tuple(positions))
 
     def _region_weights(self, region: Region, args: list[Any]) -> tuple["_RegionWeights", list | None]:
         """The weights ``region`` reads (its parameter and buffer inputs), read off ``args`` once per compile and
@@ -744,9 +745,9 @@ class Session:
         signature_calls = calls + [_Call(region, keep, self._pending_view)] + (later or [])
 
         def sequence(fp: Footprint, lean_later: bool = True) -> list[Run]:
-            rest = [replace(c.view, fp=(self._leanest(c.region) if lean_later else self._keep(c.region)).fp)
+            rest = [c.view.with_fp((self._leanest(c.region) if lean_later else self._keep(c.region)).fp)
                     for c in later or []]
-            return [c.view for c in calls] + [replace(self._pending_view, fp=fp)] + rest
+            return [c.view for c in calls] + [self._pending_view.with_fp(fp)] + rest
 
         def peak(fp: Footprint) -> int:
             # the later runs at their leanest plans, or all as written where that peaks lower: a region's step
@@ -758,7 +759,7 @@ class Session:
                 return lean
             return min(lean, self._sequence_peak(sequence(fp, lean_later=False), signature_calls))
 
-        self._resolve_budget([replace(c.view, fp=self._keep(c.region).fp) for c in calls]
+        self._resolve_budget([c.view.with_fp(self._keep(c.region).fp) for c in calls]
                              + sequence(keep.fp, lean_later=False)[len(calls):], signature_calls)
         budget = self.budget_bytes
         assert budget is not None
@@ -790,7 +791,8 @@ class Session:
     def _target(self, region: Region, keep: Variant, sequence: Callable, calls: list[_Call], budget: int) -> int:
         """The peak this run's plan may have, as its own problem counts it: the budget less what the step holds
         besides it in its forward and in its backward, whichever is more."""
-        empty = replace(keep.fp, fwd_peak_bytes=0, bwd_peak_bytes=0, internal_held_bytes=0)
+        empty = replace(keep.fp, fwd_peak_bytes=0, bwd_peak_bytes=0, internal_held_bytes=0,
+                        bwd_peak_released_bytes=None)
         views = sequence(empty)
         signature = tuple(c.region.index for c in calls)
         step = Step(self._base_bytes(signature), tuple(views),
@@ -833,9 +835,9 @@ class Session:
         base = self._base_bytes(signature)
         floors = []
         for pick in self._floor_picks():
-            views = ([replace(c.view, fp=pick(c.region).fp) for c in self._calls]
-                     + [replace(self._pending_view, fp=pick(region).fp)]
-                     + [replace(c.view, fp=pick(c.region).fp) for c in later or []])
+            views = ([c.view.with_fp(pick(c.region).fp) for c in self._calls]
+                     + [self._pending_view.with_fp(pick(region).fp)]
+                     + [c.view.with_fp(pick(c.region).fp) for c in later or []])
             gaps = self._gap_list(views, signature)
             floors.append((total_that_works(base, views, gaps), views, gaps, pick))
         _, views, gaps, pick = min(floors, key=lambda f: f[0])
@@ -864,8 +866,8 @@ class Session:
         if not calls:
             raise KarmaError("call the compiled module once first (in training mode, with gradients on): plans "
                              "are made for concrete inputs")
-        keep = [replace(c.view, fp=self._keep(c.region).fp) for c in calls]
-        floor = min(self._sequence_peak([replace(c.view, fp=pick(c.region).fp) for c in calls], calls)
+        keep = [c.view.with_fp(self._keep(c.region).fp) for c in calls]
+        floor = min(self._sequence_peak([c.view.with_fp(pick(c.region).fp) for c in calls], calls)
                     for pick in self._floor_picks())
         return (self._sequence_peak([c.view for c in calls], calls), self._sequence_peak(keep, calls, margin=False),
                 floor)
@@ -1002,4 +1004,5 @@ def _name(strategy: Any) -> str:
 def _no_more(a: Footprint, b: Footprint) -> bool:
     """Whether footprint ``a`` holds no more than ``b`` in either phase, nor across its forward and backward."""
     return (a.fwd_peak_bytes <= b.fwd_peak_bytes and a.bwd_peak_bytes <= b.bwd_peak_bytes
-            and a.held_bytes <= b.held_bytes and a.peak_bytes < b.peak_bytes)
+            and a.bwd_peak_of(True) <= b.bwd_peak_of(True) and a.held_bytes <= b.held_bytes
+            and a.peak_bytes < b.peak_bytes)

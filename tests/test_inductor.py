@@ -1841,3 +1841,25 @@ def test_logits_the_caller_lets_go_are_freed_by_inductors_backward_as_predicted(
     live = measure_step_peak(model, step, (ids, labels), {}, lambda out: out[0])
     assert abs(step.predicted_peak_bytes - live.peak_bytes) <= 0.001 * live.peak_bytes, (
         step.predicted_peak_bytes, live.peak_bytes)
+
+
+def test_a_plan_that_does_not_save_the_logits_counts_them_let_go_and_plans_for_the_room_left():
+    """At 0.8 the plan chunks the loss head and saves no logits, where Inductor's own step saved them. The
+    step's ledger took whether the backward reads each output from the step as written, so the plan's backward
+    counted the 2 MiB of logits the caller had let go (20% over the allocator's peak); and the room left for
+    the plan was counted with the step as written's backward (logits released) beside it, so karma planned
+    for none and fell back to its leanest plan (four moves where one fits)."""
+    from karma_fx.measure_run import measure_step_peak
+
+    torch.manual_seed(0)
+    model = _LogitsLM()
+    ids, labels = torch.randint(0, 512, (8, 128)), torch.randint(0, 512, (8, 128))
+    step = karma_fx.compile(model, budget=0.8, compiler="inductor")
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        step(ids, labels)[0].backward()
+    live = measure_step_peak(model, step, (ids, labels), {}, lambda out: out[0])
+    assert step.plan.status != "FALLBACK:leanest", step.plan.status
+    assert live.peak_bytes <= step.plan.budget_bytes
+    assert abs(step.predicted_peak_bytes - live.peak_bytes) <= 0.002 * live.peak_bytes, (
+        step.predicted_peak_bytes, live.peak_bytes)

@@ -113,6 +113,22 @@ def test_a_saved_output_the_caller_let_go_is_freed_where_its_backward_has_read_i
     assert phases(Step(0, (run(frozenset()), later)))[(0, "backward")] == 900
 
 
+def test_another_plan_of_a_run_says_which_of_its_edges_its_backward_reads():
+    """The step as written saves the logits (its backward reads them); a plan chunking the head does not. The
+    run seen with the first, under the second, counts the logits the caller let go as gone from its backward."""
+    as_written = Footprint(fwd_peak_bytes=100, bwd_peak_bytes=900, own_bytes=0, internal_held_bytes=0,
+                           inputs=((0, False), (64, True)), outputs=((4, False), (400, True)))
+    chunked = Footprint(fwd_peak_bytes=100, bwd_peak_bytes=900, own_bytes=0, internal_held_bytes=0,
+                        inputs=((0, False), (64, False)), outputs=((4, False), (400, False)))
+    h = ("out", 0, 0)
+    run = Run(fp=as_written, own_bytes=0, reads=((h, 64, True),), read_positions=(1,),
+              makes=((("out", 1, 0), 4, False), (("out", 1, 1), 400, True)), caller_keeps=frozenset({0}))
+    other = run.with_fp(chunked)
+    assert other.reads == ((h, 64, False),) and [saved for _, _, saved in other.makes] == [False, False]
+    assert phases(Step(0, (other,)))[(0, "backward")] == 900 - 400 - 64
+    assert phases(Step(0, (run,)))[(0, "backward")] == 900
+
+
 def test_breaks_pin_what_a_backward_reads_across_them():
     h, g = ("out", 0, 0), ("out", 1, 0)
     runs = [Run(fp=fp(1, 1), own_bytes=0, makes=((h, 64, True),)),
