@@ -44,9 +44,10 @@ def loss_head_guess(view: Run) -> int:
 
 def _holders(ref: Any) -> int:
     """How many tensors (and storage objects) hold the storage ``ref`` refers to. An output the backward reads
-    stays alive through its saved tensor whether or not the caller holds it: it is let go where fewer hold it
-    when the backward begins than when the run returned it (the returned tensor gone, and no view of it made
-    since; a view holds its base too). Where the count cannot be read, as many as ever: held."""
+    stays alive through its saved tensor whether or not the caller holds it: it is let go where no more hold it
+    when the backward begins than when the run returned it, less the tensors returned on it (each returned
+    tensor gone, and no view of one made since; a view holds its base too). Where the count cannot be read, as
+    many as ever: held."""
     try:
         return int(torch._C._storage_Use_Count(ref.cdata))
     except (AttributeError, RuntimeError, TypeError):
@@ -60,11 +61,12 @@ class Between:
         self.gaps: dict[Signature, int] = {}
         """Per sequence of runs so far: what the code after its last run allocated (measured)."""
         self.kept: dict[Signature, frozenset[int]] = {}
-        """Per sequence of runs: which outputs of its last run the caller still held when the backward began."""
+        """Per sequence of runs: which outputs of its last run the caller still held when the backward began, in
+        any step so far (a loop may hold them only on the steps it logs)."""
         self.remeasured = False
         """Something was measured since the session last chose its plans: choose again, with it."""
         self._meter: Any = None
-        self._outputs: list[tuple[int, Any, int]] = []
+        self._outputs: list[tuple[int, Any, int, int]] = []
 
     def unknown(self, signature: Signature) -> bool:
         """Whether the code after some run of ``signature`` is still to be measured."""
@@ -123,18 +125,24 @@ class Between:
         if self._meter is not None and k > 0:
             self._meter.end(k - 1)
 
-    def run_returned(self, k: int, out: Any, learning: bool) -> None:
-        """Run ``k`` has returned ``out``: the code after it begins; where ``learning``, watch its outputs."""
+    def run_returned(self, k: int, out: Any, watch: bool = True) -> None:
+        """Run ``k`` has returned ``out``: the code after it begins; where ``watch``, watch its outputs (every
+        step: what one step lets go, another may hold)."""
         if self._meter is not None:
             self._meter.begin(k)
         self._outputs = []
-        if learning:
+        if watch:
             from torch.multiprocessing.reductions import StorageWeakRef
 
-            for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
-                if isinstance(t, torch.Tensor):
-                    ref = StorageWeakRef(t.untyped_storage())
-                    self._outputs.append((o, ref, _holders(ref)))
+            tensors = [(o, t) for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,))
+                       if isinstance(t, torch.Tensor)]
+            refs = {}
+            for o, t in tensors:  # outputs sharing a storage (a tensor and a view of it) are watched as one
+                ref = StorageWeakRef(t.untyped_storage())
+                refs.setdefault(ref.cdata, []).append((o, ref))
+            for group in refs.values():
+                ref = group[0][1]
+                self._outputs.extend((o, ref, _holders(ref), len(group)) for o, _ in group)
 
     def backward_began(self, signature: Signature) -> None:
         """The step's backward begins after its run ``len(signature) - 1``: the loss head ends here, and which
@@ -142,5 +150,10 @@ class Between:
         if self._meter is not None and signature:
             self._meter.end(len(signature) - 1)
         if signature and self._outputs:
-            self.kept[signature] = frozenset(o for o, ref, held in self._outputs
-                                             if not ref.expired() and _holders(ref) >= held)
+            # kept: more hold its storage than when the run returned it, less the tensors it returned on it
+            kept = frozenset(o for o, ref, held, returned in self._outputs
+                             if not ref.expired() and _holders(ref) > held - returned)
+            before = self.kept.get(signature)
+            if before is None or not kept <= before:
+                self.kept[signature] = kept | (before or frozenset())
+                self.remeasured = self.remeasured or before is not None  # held now, let go before: choose again

@@ -463,13 +463,12 @@ class Session:
             self.pipeline.expect(announced, args)
             self._announced.append([id(p) for p in announced])  # (ids: the session holds no parameter)
         k = len(self._calls) - 1
-        learning = self._between.caller_keeps(self._signature()) is None
         out = variant.fn(*args)
         self._graphs.append(_graph_of(out, self._given_up))
         # (no hooks under a gradient pipeline: nothing is detached there, ``_detach_unused``)
         out = self._outputs.returned(region, out, lambda: self._as_written_again(region),
                                      watch=self.pipeline is None)
-        self._between.run_returned(k, out, learning)
+        self._between.run_returned(k, out)
         for o, t in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, torch.Tensor):
                 pointer, nbytes = storage_of(t)

@@ -180,7 +180,7 @@ def _released(region: Region, plan: Plan) -> Any:
 
     p = region.prepared
     problem = released_outputs(p.problem, region.boundary)
-    return None if problem is None else simulate(problem, plan.decisions, p.costs, detail=False)
+    return None if problem is None else simulate(problem, plan, p.costs, detail=False)
 
 
 def judged(region: Region, raw: Plan, config: KarmaConfig, budget_bytes: int | None) -> Variant:
@@ -211,7 +211,8 @@ def keep_variant(region: Region, config: KarmaConfig, budget_bytes: int | None) 
     fwd, bwd = phase_excess(excess, region.prepared.problem)
     released = None  # the caller's outputs let go before the backward: where Inductor's partition saves them
     if excess.as_written_released or excess.planned_released:
-        released = variant.fp.bwd_peak_of(True) + phase_excess(excess, region.prepared.problem, released=True)[1]
+        released = min(variant.fp.bwd_peak_bytes + bwd,
+                       variant.fp.bwd_peak_of(True) + phase_excess(excess, region.prepared.problem, released=True)[1])
     fp = replace(variant.fp, fwd_peak_bytes=variant.fp.fwd_peak_bytes + fwd,
                  bwd_peak_bytes=variant.fp.bwd_peak_bytes + bwd,
                  bwd_peak_released_bytes=released,

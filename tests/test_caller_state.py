@@ -103,26 +103,43 @@ class _ExpHead(nn.Module):
         return self.b(torch.relu(self.a(x))).exp()
 
 
-@pytest.mark.parametrize("caller", ["lets go", "holds", "holds a view"])
+class _ExpHeadAndSlice(_ExpHead):
+    """Returns its output and a slice of it: two outputs, one storage."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = super().forward(x)
+        return y, y[:, :8]
+
+
+@pytest.mark.parametrize("caller", ["lets go", "holds", "holds a view", "holds one of two on a storage",
+                                    "holds from a later step"])
 def test_an_output_the_backward_reads_counts_as_the_caller_holds_it(caller):
     """A returned tensor the backward reads (a language model's logits) is alive when the backward begins
     whatever the caller does; let go, the compiled backward frees it after reading it, and the step peaks one
-    output lower than with it held (a view holds it too). The prediction follows what the caller did."""
+    output lower than with it held (a view holds it too; of two outputs on one storage, holding either holds
+    it). The prediction follows what the caller did, and what it did once counts from then on: a loop that
+    lets go for some steps and then holds (logging every hundredth) breaks its budget in that one step only."""
     from karma_fx.measure_run import measure_step_peak
 
     torch.manual_seed(0)
-    model, x = _ExpHead(), torch.randn(256, 256)
+    two = caller == "holds one of two on a storage"
+    model, x = (_ExpHeadAndSlice() if two else _ExpHead()), torch.randn(256, 256)
     kept: list[torch.Tensor] = []
+    holding = caller != "holds from a later step"
 
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        if caller == "holds":
+    def loss_fn(out):
+        if caller == "holds" or (caller == "holds from a later step" and holding):
             kept.append(out)
         elif caller == "holds a view":
             kept.append(out[:, :8])
+        elif two:
+            kept.append(out[0])
+            out = out[0]
         return out.sum()
 
     step = karma_fx.compile(model, budget=1.0)
-    for _ in range(3):
+    for k in range(5):
+        holding = holding or k == 3
         model.zero_grad(set_to_none=True)
         kept.clear()
         loss_fn(step(x)).backward()
