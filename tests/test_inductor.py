@@ -1825,22 +1825,28 @@ class _LogitsLM(torch.nn.Module):
         return loss, logits
 
 
-def test_logits_the_caller_lets_go_are_freed_by_inductors_backward_as_predicted():
-    """``loss_fn(step(...)).backward()`` lets the logits go before the backward; Inductor's step as written
-    saved them, and its backward frees them once the loss's gradient has read them. Counted as held to the
-    end, the step was predicted 7.6% above the allocator's peak; now to within 0.1%."""
+def _logits_lm_steps(budget: float) -> tuple["karma_fx.compiler.KarmaModule", int]:
+    """``_LogitsLM`` compiled at ``budget``, four steps letting the logits go (``loss_fn(step(...)).backward()``),
+    and the allocator's peak of a fifth."""
     from karma_fx.measure_run import measure_step_peak
 
     torch.manual_seed(0)
     model = _LogitsLM()
     ids, labels = torch.randint(0, 512, (8, 128)), torch.randint(0, 512, (8, 128))
-    step = karma_fx.compile(model, budget=1.0, compiler="inductor")
-    for _ in range(3):
+    step = karma_fx.compile(model, budget=budget, compiler="inductor")
+    for _ in range(4):
         model.zero_grad(set_to_none=True)
         step(ids, labels)[0].backward()
-    live = measure_step_peak(model, step, (ids, labels), {}, lambda out: out[0])
-    assert abs(step.predicted_peak_bytes - live.peak_bytes) <= 0.001 * live.peak_bytes, (
-        step.predicted_peak_bytes, live.peak_bytes)
+    return step, measure_step_peak(model, step, (ids, labels), {}, lambda out: out[0]).peak_bytes
+
+
+def test_logits_the_caller_lets_go_are_freed_by_inductors_backward_as_predicted():
+    """``loss_fn(step(...)).backward()`` lets the logits go before the backward; Inductor's step as written
+    saved them, and its backward frees them once the loss's gradient has read them. Counted as held to the
+    end, the step was predicted 7.6% above the allocator's peak; now to within 0.1%."""
+    step, peak = _logits_lm_steps(1.0)
+    assert abs(step.predicted_peak_bytes - peak) <= 0.001 * peak, (
+        step.predicted_peak_bytes, peak)
 
 
 def test_a_plan_that_does_not_save_the_logits_counts_them_let_go_and_plans_for_the_room_left():
@@ -1849,17 +1855,7 @@ def test_a_plan_that_does_not_save_the_logits_counts_them_let_go_and_plans_for_t
     counted the 2 MiB of logits the caller had let go (20% over the allocator's peak); and the room left for
     the plan was counted with the step as written's backward (logits released) beside it, so karma planned
     for none and fell back to its leanest plan (four moves where one fits)."""
-    from karma_fx.measure_run import measure_step_peak
-
-    torch.manual_seed(0)
-    model = _LogitsLM()
-    ids, labels = torch.randint(0, 512, (8, 128)), torch.randint(0, 512, (8, 128))
-    step = karma_fx.compile(model, budget=0.8, compiler="inductor")
-    for _ in range(4):
-        model.zero_grad(set_to_none=True)
-        step(ids, labels)[0].backward()
-    live = measure_step_peak(model, step, (ids, labels), {}, lambda out: out[0])
+    step, peak = _logits_lm_steps(0.8)
     assert step.plan.status != "FALLBACK:leanest", step.plan.status
-    assert live.peak_bytes <= step.plan.budget_bytes
-    assert abs(step.predicted_peak_bytes - live.peak_bytes) <= 0.002 * live.peak_bytes, (
-        step.predicted_peak_bytes, live.peak_bytes)
+    assert peak <= step.plan.budget_bytes
+    assert abs(step.predicted_peak_bytes - peak) <= 0.002 * peak, (step.predicted_peak_bytes, peak)
