@@ -272,8 +272,9 @@ def _phases(step: Step) -> list[Phase]:
         out.append(Phase(k, "after", after))
     # backward, in reverse
     last = len(runs) - 1
+    # the last run's outputs the caller holds, through the earlier runs' backwards (those its own backward read too)
     last_out = sum(b for o, (i, b, saved) in enumerate(runs[last].makes)
-                   if not saved and runs[last].kept_by_caller(o)) if runs and step.last_outputs_held else 0
+                   if runs[last].kept_by_caller(o)) if runs and step.last_outputs_held else 0
     new_grads_after = 0
     left: set[Hashable] = set()  # parameters whose gradients the backwards so far have left
     for k in range(last, -1, -1):

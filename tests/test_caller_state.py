@@ -111,8 +111,18 @@ class _ExpHeadAndSlice(_ExpHead):
         return y, y[:, :8]
 
 
+class _ExpHeadAfterABreak(_ExpHead):
+    """The same head with a graph break before its last layer: two regions, the last one's output read by its
+    backward and, held by the caller, alive through the first region's backward too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h).exp()
+
+
 @pytest.mark.parametrize("caller", ["lets go", "holds", "holds a view", "holds one of two on a storage",
-                                    "holds from a later step"])
+                                    "holds from a later step", "holds, after a graph break"])
 def test_an_output_the_backward_reads_counts_as_the_caller_holds_it(caller):
     """A returned tensor the backward reads (a language model's logits) is alive when the backward begins
     whatever the caller does; let go, the compiled backward frees it after reading it, and the step peaks one
@@ -123,12 +133,13 @@ def test_an_output_the_backward_reads_counts_as_the_caller_holds_it(caller):
 
     torch.manual_seed(0)
     two = caller == "holds one of two on a storage"
-    model, x = (_ExpHeadAndSlice() if two else _ExpHead()), torch.randn(256, 256)
+    model = _ExpHeadAndSlice() if two else _ExpHeadAfterABreak() if "break" in caller else _ExpHead()
+    x = torch.randn(256, 256)
     kept: list[torch.Tensor] = []
     holding = caller != "holds from a later step"
 
     def loss_fn(out):
-        if caller == "holds" or (caller == "holds from a later step" and holding):
+        if caller in ("holds", "holds, after a graph break") or (caller == "holds from a later step" and holding):
             kept.append(out)
         elif caller == "holds a view":
             kept.append(out[:, :8])
